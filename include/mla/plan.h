@@ -1,0 +1,186 @@
+// Split-KV planning for decode (SPEC §2, "the metadata contract").
+//
+// Decode work is cut into pieces of (request, range of 64-token blocks) and spread over
+// `num_sm_parts` parts, one part per persistent CTA on the GPU (one task on the CPU backend).
+// The plan is `tile_scheduler_metadata [num_sm_parts, 8]` int32 (one PlanRow per part) plus
+// `num_splits [b + 1]` int32, the exclusive prefix sum of how many pieces each request was cut into.
+// A piece that is a whole request writes `out`/`lse` directly; the pieces of a split request write
+// partials into the split workspace row `num_splits[i] + n`, and the combine kernel merges them.
+//
+// The greedy fill is FlashMLA's (reference/flashmla-semantics.md §5.2): every piece costs its
+// blocks plus kPlanFixedOverheadBlocks, each part gets ceil(total / num_sm_parts) + overhead.
+// Everything here is host-and-device code so the CPU backend, the device planner and the kernels
+// read a plan the same way.
+#pragma once
+
+#include <cstdint>
+
+#include "mla/types.h"
+
+#if defined(__CUDACC__)
+#define MLA_HD __host__ __device__ __forceinline__
+#else
+#define MLA_HD inline
+#endif
+
+namespace mla {
+
+// One row of tile_scheduler_metadata: the pieces a part runs.
+struct PlanRow {
+  int32_t begin_req;    // first request of the part (inclusive); >= b means the part is idle
+  int32_t end_req;      // last request of the part (inclusive)
+  int32_t begin_block;  // first block of begin_req
+  int32_t end_block;    // end block (exclusive) of end_req
+  int32_t begin_split;  // which piece of begin_req this part's first piece is
+  int32_t first_split;  // begin_req is shared with other parts
+  int32_t last_split;   // end_req is shared with other parts
+  int32_t pad;
+};
+static_assert(sizeof(PlanRow) == 8 * sizeof(int32_t), "a plan row is 8 int32");
+constexpr int kPlanRowInts = 8;
+
+// What the planner needs to know about a decode call. Dense decode sets seqlens_k; sparse decode
+// sets topk (and optionally the length and extra-cache fields).
+struct DecodePlanParams {
+  int b = 0;
+  int num_sm_parts = 1;
+  const int32_t* seqlens_k = nullptr;          // [b] dense: KV length of each request
+  int topk = 0;                                // sparse: main top-k slots per query row
+  const int32_t* topk_length = nullptr;        // [b] sparse, optional: valid main slots
+  int extra_topk = 0;                          // sparse: extra-cache slots per row (0: none)
+  const int32_t* extra_topk_length = nullptr;  // [b] optional: valid extra slots
+  int32_t* tile_scheduler_metadata = nullptr;  // [num_sm_parts, 8] out
+  int32_t* num_splits = nullptr;               // [b + 1] out
+};
+
+MLA_HD int ceil_div(int a, int b) { return (a + b - 1) / b; }
+MLA_HD int clamp_len(int v, int hi) { return v < 0 ? 0 : (v > hi ? hi : v); }
+
+// Valid main / extra slots of request i of a sparse call.
+MLA_HD int sparse_main_len(const DecodePlanParams& p, int i) {
+  return p.topk_length ? clamp_len(p.topk_length[i], p.topk) : p.topk;
+}
+MLA_HD int sparse_extra_len(const DecodePlanParams& p, int i) {
+  if (p.extra_topk == 0) return 0;
+  return p.extra_topk_length ? clamp_len(p.extra_topk_length[i], p.extra_topk) : p.extra_topk;
+}
+
+// Blocks of main slots of request i of a sparse call (at least one, so that an empty request still
+// has a piece that writes its output); extra-cache blocks follow them.
+MLA_HD int sparse_main_blocks(const DecodePlanParams& p, int i) {
+  const int n = ceil_div(sparse_main_len(p, i), kPlanBlockSize);
+  return n > 0 ? n : 1;
+}
+
+// Blocks of work request i has: dense ceil(len / 64) (0 when empty), sparse main + extra blocks.
+MLA_HD int request_blocks(const DecodePlanParams& p, int i) {
+  if (p.seqlens_k) return ceil_div(p.seqlens_k[i] < 0 ? 0 : p.seqlens_k[i], kPlanBlockSize);
+  return sparse_main_blocks(p, i) + ceil_div(sparse_extra_len(p, i), kPlanBlockSize);
+}
+
+// Blocks the planner charges request i (at least one: an empty request still costs a piece).
+MLA_HD int plan_blocks(const DecodePlanParams& p, int i) {
+  const int n = request_blocks(p, i);
+  return n > 0 ? n : 1;
+}
+
+// The planner's flag for "request i has no work": a dense request of length 0.
+MLA_HD bool request_empty(const DecodePlanParams& p, int i) { return request_blocks(p, i) == 0; }
+
+// One piece of a part: request `req`, blocks [block_begin, block_end).
+struct PlanPiece {
+  int req;
+  int block_begin;
+  int block_end;
+  bool is_split;    // writes the split workspace instead of out/lse
+  int split_index;  // row of the split workspace when is_split
+};
+
+// The k-th request a part runs (k = 0 .. end_req - begin_req), as a piece. `total_blocks` is
+// request_blocks() of that request; ranges are clamped to it so a plan never reads past the work.
+MLA_HD PlanPiece plan_piece(const PlanRow& row, const int32_t* num_splits, int k, int total_blocks) {
+  PlanPiece pc;
+  pc.req = row.begin_req + k;
+  const bool first = k == 0;
+  const bool last = pc.req == row.end_req;
+  pc.block_begin = first ? row.begin_block : 0;
+  pc.block_end = last ? row.end_block : total_blocks;
+  if (pc.block_end > total_blocks) pc.block_end = total_blocks;
+  if (pc.block_begin > pc.block_end) pc.block_begin = pc.block_end;
+  pc.is_split = (first && row.first_split) || (last && row.last_split);
+  pc.split_index = num_splits[pc.req] + (first ? row.begin_split : 0);
+  return pc;
+}
+
+// The greedy fill, given total = sum over requests of plan_blocks + kPlanFixedOverheadBlocks.
+// Writes every PlanRow and num_splits[1..b]; returns how many requests it consumed (b, always).
+MLA_HD int plan_fill(const DecodePlanParams& p, long long total) {
+  const int F = kPlanFixedOverheadBlocks;
+  const int payload = int((total + p.num_sm_parts - 1) / p.num_sm_parts) + F;
+  PlanRow* rows = reinterpret_cast<PlanRow*>(p.tile_scheduler_metadata);
+  int req = 0, blk = 0, nsplit = 0, cum = 0;
+  p.num_splits[0] = 0;
+  for (int part = 0; part < p.num_sm_parts; ++part) {
+    PlanRow r;
+    r.begin_req = req;
+    r.begin_block = blk;
+    r.begin_split = nsplit;
+    const bool first_split = blk != 0;
+    int remain = payload;
+    while (req < p.b) {
+      const int left = plan_blocks(p, req) - blk;
+      if (remain >= left + F) {
+        cum += nsplit + 1;
+        p.num_splits[req + 1] = cum;
+        remain -= left + F;
+        ++req;
+        blk = 0;
+        nsplit = 0;
+      } else {
+        if (remain - F > 0) {
+          blk += remain - F;
+          ++nsplit;
+        }
+        break;
+      }
+    }
+    if (blk > 0) {
+      r.end_req = req;
+      r.end_block = blk;
+    } else {
+      r.end_req = req - 1;
+      r.end_block = req > 0 && !request_empty(p, req - 1) ? plan_blocks(p, req - 1) : 0;
+    }
+    const bool last_split = r.end_req >= 0 && r.end_req < p.b && r.end_block != plan_blocks(p, r.end_req) &&
+                            !request_empty(p, r.end_req);
+    r.first_split = first_split;
+    r.last_split = last_split;
+    if (r.begin_req == r.end_req) r.first_split = r.last_split = first_split || last_split;
+    r.pad = 0;
+    rows[part] = r;
+  }
+  return req;
+}
+
+// Number of parts for a call, from the number of SMs (or CPU "virtual SMs") available. Dense decode
+// folds s_q * h_q / h_k query rows into 64-row tiles; sparse decode runs 64 heads per CTA.
+inline int num_sm_parts_dense(int num_sms, int s_q, int h_q, int h_k) {
+  const int rows = s_q * (h_q / h_k);
+  const int parts = num_sms / h_k / ceil_div(rows, 64);
+  return parts > 1 ? parts : 1;
+}
+inline int num_sm_parts_sparse(int num_sms, int s_q, int h_q) {
+  const int parts = num_sms / s_q / ceil_div(h_q, 64);
+  return parts > 1 ? parts : 1;
+}
+
+// Host planner: fills params.tile_scheduler_metadata and params.num_splits. Throws mla::Error when
+// a length is negative.
+void plan_decode_host(const DecodePlanParams& params);
+
+// Checks that a plan (possibly made by an earlier call) covers exactly the blocks of every request
+// of `params`, each request's pieces numbered 0..n-1 as num_splits says. Throws mla::Error naming
+// what does not match: a plan reused after the lengths changed is an error, not a wrong result.
+void check_plan_matches(const DecodePlanParams& params);
+
+}  // namespace mla

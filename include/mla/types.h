@@ -1,0 +1,71 @@
+// Shared vocabulary of the mla-kernels C++ API: element types, KV-cache formats, limits, errors.
+// Nothing here depends on PyTorch or on CUDA.
+#pragma once
+
+#include <cstdint>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+
+namespace mla {
+
+// Element type of a tensor handed to a kernel.
+enum class DType : int32_t {
+  kBF16 = 0,
+  kFP16 = 1,
+  kFP8E4M3 = 2,  // float8_e4m3fn: q and cache of FP8 dense decode
+  kFloat32 = 3,
+};
+
+// How the KV cache of a sparse op stores one token (SPEC §4).
+enum class KvFormat : int32_t {
+  kV32 = 0,     // d_qk 576: 512 e4m3 NoPE, 4 float32 scales, 64 bf16 RoPE; 656 bytes per token
+  kModel1 = 1,  // d_qk 512: block-interleaved 576-byte NoPE+RoPE records, then 8-byte ue8m0 scale records
+};
+
+inline const char* to_string(DType t) {
+  switch (t) {
+    case DType::kBF16: return "bfloat16";
+    case DType::kFP16: return "float16";
+    case DType::kFP8E4M3: return "float8_e4m3fn";
+    case DType::kFloat32: return "float32";
+  }
+  return "unknown";
+}
+
+inline const char* to_string(KvFormat f) { return f == KvFormat::kV32 ? "v32" : "model1"; }
+
+// Model dimensions the kernels are written for.
+constexpr int kHeadDimV = 512;       // d_v of every op
+constexpr int kHeadDimV32 = 576;     // d_qk of DeepSeek V3 / V3.2 (512 NoPE + 64 RoPE)
+constexpr int kHeadDimModel1 = 512;  // d_qk of DeepSeek V4 "MODEL1" (448 NoPE + 64 RoPE)
+constexpr int kMaxHeadsQ = 128;      // largest h_q any op accepts
+
+// Split-KV planning: a plan block is this many KV tokens (dense) or top-k slots (sparse).
+constexpr int kPlanBlockSize = 64;
+// Cost of starting a (request, part) piece, in blocks: covers loading q, the epilogue and the combine.
+constexpr int kPlanFixedOverheadBlocks = 5;
+
+// Error raised by validation in the core; the message names the argument, what was expected and
+// what was given. Front-ends turn it into their own error type (torch: RuntimeError).
+class Error : public std::invalid_argument {
+ public:
+  using std::invalid_argument::invalid_argument;
+};
+
+namespace detail {
+template <typename... Args>
+std::string concat(const Args&... args) {
+  std::ostringstream os;
+  (os << ... << args);
+  return os.str();
+}
+}  // namespace detail
+
+}  // namespace mla
+
+// Throws mla::Error with the streamed message when `cond` is false.
+#define MLA_CHECK(cond, ...)                                      \
+  do {                                                            \
+    if (!(cond)) throw ::mla::Error(::mla::detail::concat(__VA_ARGS__)); \
+  } while (0)

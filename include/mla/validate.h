@@ -1,0 +1,13 @@
+// Checks of the params structs shared by every backend and front-end. Each throws mla::Error
+// whose message names the argument, what was expected and what was given.
+#pragma once
+
+#include "mla/params.h"
+
+namespace mla {
+
+void validate(const DenseDecodeParams& p);
+void validate(const SparseDecodeParams& p);
+void validate(const SparsePrefillParams& p);
+
+}  // namespace mla

@@ -1,0 +1,72 @@
+#include "mla/validate.h"
+
+#include <cmath>
+
+#include "mla/formats.h"
+
+namespace mla {
+
+namespace {
+
+void check_common_decode(int b, int s_q, int h_q, int d_v, float scale) {
+  MLA_CHECK(b > 0, "q: batch size must be > 0, got ", b);
+  MLA_CHECK(s_q > 0, "q: s_q (dim 1) must be > 0, got ", s_q);
+  MLA_CHECK(h_q > 0, "q: h_q (dim 2) must be > 0, got ", h_q);
+  MLA_CHECK(d_v == kHeadDimV, "head_dim_v must be ", kHeadDimV, ", got ", d_v);
+  MLA_CHECK(std::isfinite(scale), "softmax_scale must be finite, got ", scale);
+}
+
+void check_sparse_cache(const SparseKvCache& c, KvFormat f, const char* name) {
+  MLA_CHECK(c.page_block_size > 0, name, ": page_block_size (dim 1) must be > 0, got ", c.page_block_size);
+  MLA_CHECK(c.num_blocks >= 0, name, ": num_blocks must be >= 0, got ", c.num_blocks);
+  const int64_t block_bytes = int64_t(c.page_block_size) * bytes_per_token(f);
+  MLA_CHECK(c.num_blocks <= 1 || c.stride_block >= block_bytes, name, ": stride(0) must be >= page_block_size * ",
+            bytes_per_token(f), " = ", block_bytes, " bytes, got ", c.stride_block);
+}
+
+}  // namespace
+
+void validate(const DenseDecodeParams& p) {
+  check_common_decode(p.b, p.s_q, p.h_q, p.d_v, p.softmax_scale);
+  MLA_CHECK(p.h_k > 0, "k_cache: h_k (dim 2) must be > 0, got ", p.h_k);
+  MLA_CHECK(p.h_q % p.h_k == 0, "q: h_q (", p.h_q, ") must be a multiple of h_k (", p.h_k, ")");
+  MLA_CHECK(p.d_qk == kHeadDimV32 || p.d_qk == kHeadDimModel1, "q: head dim (dim 3) must be 576 or 512, got ", p.d_qk);
+  MLA_CHECK(p.page_block_size > 0, "k_cache: page_block_size (dim 1) must be > 0, got ", p.page_block_size);
+  MLA_CHECK(p.dtype == DType::kBF16 || p.dtype == DType::kFP16 || p.dtype == DType::kFP8E4M3,
+            "q: dtype must be bfloat16, float16 or float8_e4m3fn, got ", to_string(p.dtype));
+  if (p.dtype == DType::kFP8E4M3) {
+    MLA_CHECK(p.descale_q && p.descale_k, "descale_q and descale_k are required for an FP8 cache");
+    MLA_CHECK(p.o.out_dtype == DType::kBF16, "FP8 dense decode writes bfloat16 output, got ", to_string(p.o.out_dtype));
+  } else {
+    MLA_CHECK(p.o.out_dtype == p.dtype, "out: dtype must equal q's (", to_string(p.dtype), "), got ",
+              to_string(p.o.out_dtype));
+  }
+}
+
+void validate(const SparseDecodeParams& p) {
+  check_common_decode(p.b, p.s_q, p.h_q, p.d_v, p.softmax_scale);
+  MLA_CHECK(p.h_q <= kMaxHeadsQ, "q: h_q (dim 2) must be <= ", kMaxHeadsQ, ", got ", p.h_q);
+  MLA_CHECK(p.d_qk == head_dim_qk(p.format), "q: head dim (dim 3) must be ", head_dim_qk(p.format), " for the ",
+            to_string(p.format), " cache format, got ", p.d_qk);
+  MLA_CHECK(p.topk > 0, "indices: topk (dim 2) must be > 0, got ", p.topk);
+  check_sparse_cache(p.kv, p.format, "kv");
+  if (p.extra_kv.data || p.extra_indices) {
+    MLA_CHECK(p.extra_kv.data && p.extra_indices, "extra_kv and extra_indices must be given together");
+    MLA_CHECK(p.extra_topk > 0, "extra_indices: extra_topk (dim 2) must be > 0, got ", p.extra_topk);
+    check_sparse_cache(p.extra_kv, p.format, "extra_kv");
+  } else {
+    MLA_CHECK(!p.extra_topk_length, "extra_topk_length needs extra_kv and extra_indices");
+  }
+}
+
+void validate(const SparsePrefillParams& p) {
+  MLA_CHECK(p.s_q > 0, "q: s_q (dim 0) must be > 0, got ", p.s_q);
+  MLA_CHECK(p.s_kv > 0, "kv: s_kv (dim 0) must be > 0, got ", p.s_kv);
+  MLA_CHECK(p.h_q > 0 && p.h_q <= kMaxHeadsQ, "q: h_q (dim 1) must be in [1, ", kMaxHeadsQ, "], got ", p.h_q);
+  MLA_CHECK(p.d_qk == kHeadDimV32 || p.d_qk == kHeadDimModel1, "q: head dim (dim 2) must be 576 or 512, got ", p.d_qk);
+  MLA_CHECK(p.d_v == kHeadDimV, "d_v must be ", kHeadDimV, ", got ", p.d_v);
+  MLA_CHECK(p.topk > 0, "indices: topk (dim 2) must be > 0, got ", p.topk);
+  MLA_CHECK(std::isfinite(p.softmax_scale), "sm_scale must be finite, got ", p.softmax_scale);
+}
+
+}  // namespace mla

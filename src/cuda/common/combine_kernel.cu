@@ -1,0 +1,105 @@
+// Split combine: merges the fp32 partials of every split request into out / lse
+// (reference/flashmla-semantics.md §5.3), folding the attention sink into the normaliser.
+//
+// Grid (b * s_q, ceil(h_q / 8)), 256 threads: one warp per (request, query row, head). The lanes
+// reduce the split lse values (any number of splits: no compiled maximum), then each lane owns 16
+// of the 512 output columns as four float4 and accumulates the weighted partials. Requests with a
+// single piece were written by the attention kernel and are skipped.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include "mla/mla.h"
+
+namespace mla::cuda {
+
+namespace {
+
+constexpr int kWarpSize = 32;
+constexpr int kHeadsPerCta = 8;
+constexpr int kThreads = kHeadsPerCta * kWarpSize;
+constexpr int kVecPerLane = kHeadDimV / 4 / kWarpSize;  // float4 columns per lane
+static_assert(kHeadDimV % (4 * kWarpSize) == 0, "each lane owns whole float4 columns of d_v");
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+__device__ __forceinline__ float warp_max(float v) {
+  for (int o = kWarpSize / 2; o > 0; o /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+__device__ __forceinline__ float warp_sum(float v) {
+  for (int o = kWarpSize / 2; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+__device__ __forceinline__ void store4(__nv_bfloat16* dst, float4 v) {
+  __nv_bfloat162 lo = __floats2bfloat162_rn(v.x, v.y), hi = __floats2bfloat162_rn(v.z, v.w);
+  reinterpret_cast<__nv_bfloat162*>(dst)[0] = lo;
+  reinterpret_cast<__nv_bfloat162*>(dst)[1] = hi;
+}
+__device__ __forceinline__ void store4(__half* dst, float4 v) {
+  reinterpret_cast<__half2*>(dst)[0] = __floats2half2_rn(v.x, v.y);
+  reinterpret_cast<__half2*>(dst)[1] = __floats2half2_rn(v.z, v.w);
+}
+
+template <typename OutT>
+__global__ void __launch_bounds__(kThreads) combine_kernel(CombineParams p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  cudaGridDependencySynchronize();  // the attention kernel's partials are complete
+#endif
+  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+  const int i = blockIdx.x / p.s_q, s = blockIdx.x % p.s_q;
+  const int h = blockIdx.y * kHeadsPerCta + warp;
+  if (h >= p.h_q) return;
+  const int first = p.split.num_splits[i];
+  const int n = p.split.num_splits[i + 1] - first;
+  if (n <= 1) return;
+  auto row = [&](int k) { return (int64_t(first + k) * p.s_q + s) * p.h_q + h; };
+
+  float m = -INFINITY;
+  for (int k = lane; k < n; k += kWarpSize) m = fmaxf(m, p.split.lse_accum[row(k)]);
+  m = warp_max(m);
+  if (m == -INFINITY) m = 0.f;
+  float sum = 0.f;
+  for (int k = lane; k < n; k += kWarpSize) sum += exp2f(p.split.lse_accum[row(k)] - m);
+  sum = warp_sum(sum);
+  float g = sum == 0.f ? INFINITY : log2f(sum) + m;
+  if (lane == 0) p.o.lse[i * p.o.lse_stride_b + s * p.o.lse_stride_s + h * p.o.lse_stride_h] = g * kLn2;
+  // Fold the sink into the normaliser: g = log2(2^g + 2^sink2).
+  const float sink2 = p.attn_sink ? p.attn_sink[h] * kLog2e : -INFINITY;
+  g = g != INFINITY ? g + log2f(1.f + exp2f(sink2 - g)) : (sink2 == -INFINITY ? INFINITY : sink2);
+
+  float4 acc[kVecPerLane];
+  for (int j = 0; j < kVecPerLane; ++j) acc[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int k = 0; k < n; ++k) {
+    const float w = exp2f(p.split.lse_accum[row(k)] - g);
+    if (w == 0.f) continue;
+    const float4* src = reinterpret_cast<const float4*>(p.split.o_accum + row(k) * kHeadDimV);
+    for (int j = 0; j < kVecPerLane; ++j) {
+      const float4 v = src[lane + j * kWarpSize];
+      acc[j].x += w * v.x, acc[j].y += w * v.y, acc[j].z += w * v.z, acc[j].w += w * v.w;
+    }
+  }
+  OutT* out = static_cast<OutT*>(p.o.out) + i * p.o.out_stride_b + s * p.o.out_stride_s + h * p.o.out_stride_h;
+  for (int j = 0; j < kVecPerLane; ++j) store4(out + (lane + j * kWarpSize) * 4, acc[j]);
+}
+
+}  // namespace
+
+cudaError_t combine(const CombineParams& p, cudaStream_t stream, bool pdl) {
+  if (p.b <= 0 || p.s_q <= 0 || p.h_q <= 0 || p.d_v != kHeadDimV) return cudaErrorInvalidValue;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(unsigned(p.b) * unsigned(p.s_q), unsigned((p.h_q + kHeadsPerCta - 1) / kHeadsPerCta), 1);
+  config.blockDim = dim3(kThreads, 1, 1);
+  config.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attr;
+  config.numAttrs = pdl ? 1 : 0;
+  if (p.o.out_dtype == DType::kFP16) return cudaLaunchKernelEx(&config, combine_kernel<__half>, p);
+  return cudaLaunchKernelEx(&config, combine_kernel<__nv_bfloat16>, p);
+}
+
+}  // namespace mla::cuda

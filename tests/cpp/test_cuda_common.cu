@@ -1,0 +1,163 @@
+// The device planner and combine kernel against their host counterparts. Needs a GPU; skipped with
+// a message on machines without one.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+#include <vector>
+
+#include "mla/formats.h"
+#include "mla/mla.h"
+#include "mla/reference.h"
+
+namespace mla {
+namespace {
+
+bool have_gpu() {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+}
+
+#define SKIP_WITHOUT_GPU() \
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device: the device planner and combine are not run"
+
+#define CUDA_OK(expr) ASSERT_EQ((expr), cudaSuccess) << cudaGetErrorString(cudaGetLastError())
+
+template <typename T>
+T* to_device(const std::vector<T>& v) {
+  T* d = nullptr;
+  if (cudaMalloc(&d, std::max<size_t>(v.size(), 1) * sizeof(T)) != cudaSuccess) return nullptr;
+  cudaMemcpy(d, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice);
+  return d;
+}
+
+template <typename T>
+std::vector<T> to_host(const T* d, size_t n) {
+  std::vector<T> v(n);
+  cudaMemcpy(v.data(), d, n * sizeof(T), cudaMemcpyDeviceToHost);
+  return v;
+}
+
+TEST(CudaPlan, EqualsHostPlan) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937 rng(3);
+  for (int trial = 0; trial < 200; ++trial) {
+    const int b = 1 + int(rng() % 3000);
+    std::vector<int32_t> lens(b), topk_len(b), extra_len(b);
+    for (auto& l : lens) l = rng() % 7 == 0 ? 0 : int(rng() % 40000);
+    DecodePlanParams p;
+    p.b = b;
+    p.num_sm_parts = 1 + int(rng() % 132);
+    const bool sparse = trial % 2;
+    if (sparse) {
+      p.topk = 1 + int(rng() % 4096);
+      for (auto& l : topk_len) l = int(rng() % (p.topk + 1));
+      p.extra_topk = trial % 4 == 1 ? 1 + int(rng() % 1024) : 0;
+      for (auto& l : extra_len) l = int(rng() % (p.extra_topk + 1));
+    }
+    std::vector<int32_t> rows(p.num_sm_parts * kPlanRowInts), ns(b + 1);
+    DecodePlanParams host = p;
+    if (sparse) {
+      host.topk_length = topk_len.data();
+      host.extra_topk_length = p.extra_topk ? extra_len.data() : nullptr;
+    } else {
+      host.seqlens_k = lens.data();
+    }
+    host.tile_scheduler_metadata = rows.data();
+    host.num_splits = ns.data();
+    plan_decode_host(host);
+
+    DecodePlanParams dev = host;
+    int32_t* d_lens = to_device(lens);
+    int32_t* d_topk = to_device(topk_len);
+    int32_t* d_extra = to_device(extra_len);
+    int32_t* d_rows = to_device(std::vector<int32_t>(rows.size(), -9));
+    int32_t* d_ns = to_device(std::vector<int32_t>(ns.size(), -9));
+    dev.seqlens_k = sparse ? nullptr : d_lens;
+    dev.topk_length = sparse ? d_topk : nullptr;
+    dev.extra_topk_length = host.extra_topk_length ? d_extra : nullptr;
+    dev.tile_scheduler_metadata = d_rows;
+    dev.num_splits = d_ns;
+    CUDA_OK(cuda::plan_decode(dev, nullptr));
+    CUDA_OK(cudaDeviceSynchronize());
+    EXPECT_EQ(to_host(d_rows, rows.size()), rows) << "trial " << trial;
+    EXPECT_EQ(to_host(d_ns, ns.size()), ns) << "trial " << trial;
+    for (void* ptr : {(void*)d_lens, (void*)d_topk, (void*)d_extra, (void*)d_rows, (void*)d_ns}) cudaFree(ptr);
+  }
+}
+
+TEST(CudaCombine, MatchesHostCombine) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937 rng(4);
+  std::normal_distribution<float> dist(0.f, 1.f);
+  const int b = 9, s_q = 2, h_q = 19, parts = 23;
+  std::vector<int32_t> lens(b);
+  for (auto& l : lens) l = int(rng() % 6000);
+  lens[2] = 0;
+  std::vector<int32_t> rows(parts * kPlanRowInts), ns(b + 1);
+  DecodePlanParams pp;
+  pp.b = b, pp.num_sm_parts = parts, pp.seqlens_k = lens.data();
+  pp.tile_scheduler_metadata = rows.data(), pp.num_splits = ns.data();
+  plan_decode_host(pp);
+  ASSERT_GT(ns[b], b) << "the test needs split requests";
+
+  const size_t acc_rows = size_t(b + parts) * s_q * h_q;
+  std::vector<float> o_accum(acc_rows * kHeadDimV), lse_accum(acc_rows), sink(h_q);
+  for (auto& v : o_accum) v = dist(rng);
+  for (size_t r = 0; r < acc_rows; ++r) lse_accum[r] = rng() % 9 == 0 ? -INFINITY : 3.f * dist(rng);
+  for (int h = 0; h < h_q; ++h) sink[h] = h == 0 ? INFINITY : h == 1 ? -INFINITY : dist(rng);
+
+  CombineParams p;
+  p.b = b, p.s_q = s_q, p.h_q = h_q;
+  p.split = {parts, rows.data(), ns.data(), o_accum.data(), lse_accum.data()};
+  const size_t out_n = size_t(b) * s_q * h_q * kHeadDimV;
+  std::vector<uint16_t> out(out_n, 0);
+  std::vector<float> lse(size_t(b) * s_q * h_q, 0.f);
+  p.o.out = out.data();
+  p.o.out_stride_b = s_q * h_q * kHeadDimV, p.o.out_stride_s = h_q * kHeadDimV, p.o.out_stride_h = kHeadDimV;
+  p.o.lse = lse.data();
+  p.o.lse_stride_b = s_q * h_q, p.o.lse_stride_s = h_q, p.o.lse_stride_h = 1;
+  p.attn_sink = sink.data();
+  reference::combine(p);
+
+  CombineParams d = p;
+  d.split.tile_scheduler_metadata = to_device(rows);
+  d.split.num_splits = to_device(ns);
+  d.split.o_accum = to_device(o_accum);
+  d.split.lse_accum = to_device(lse_accum);
+  d.o.out = to_device(std::vector<uint16_t>(out_n, 0));
+  d.o.lse = to_device(std::vector<float>(lse.size(), 0.f));
+  d.attn_sink = to_device(sink);
+  CUDA_OK(cuda::combine(d, nullptr, /*pdl=*/true));
+  CUDA_OK(cudaDeviceSynchronize());
+  const auto got_out = to_host(static_cast<uint16_t*>(d.o.out), out_n);
+  const auto got_lse = to_host(d.o.lse, lse.size());
+  int split_rows = 0;
+  for (int i = 0; i < b; ++i) {
+    const bool split = ns[i + 1] - ns[i] > 1;
+    for (int s = 0; s < s_q; ++s)
+      for (int h = 0; h < h_q; ++h) {
+        const size_t row = (size_t(i) * s_q + s) * h_q + h;
+        if (!split) {
+          EXPECT_EQ(got_lse[row], 0.f) << "whole requests are not the combine's to write";
+          continue;
+        }
+        ++split_rows;
+        if (std::isinf(lse[row])) {
+          EXPECT_EQ(got_lse[row], lse[row]);
+        } else {
+          EXPECT_NEAR(got_lse[row], lse[row], 1e-5f * (1.f + std::fabs(lse[row])));
+        }
+        for (int x = 0; x < kHeadDimV; ++x) {
+          const float want = bf16_to_float(out[row * kHeadDimV + x]);
+          const float got = bf16_to_float(got_out[row * kHeadDimV + x]);
+          EXPECT_NEAR(got, want, 1e-5f + std::fabs(want) / 128) << "row " << row << " col " << x;
+        }
+      }
+  }
+  EXPECT_GT(split_rows, 0);
+}
+
+}  // namespace
+}  // namespace mla

@@ -1,0 +1,176 @@
+// The split planner: FlashMLA's worked example, and the invariants every plan must hold.
+#include <gtest/gtest.h>
+
+#include <random>
+#include <vector>
+
+#include "mla/plan.h"
+
+namespace mla {
+namespace {
+
+struct HostPlan {
+  std::vector<int32_t> rows, num_splits;
+  DecodePlanParams params;
+};
+
+HostPlan make_plan(DecodePlanParams p) {
+  HostPlan h;
+  h.rows.assign(p.num_sm_parts * kPlanRowInts, -7);
+  h.num_splits.assign(p.b + 1, -7);
+  p.tile_scheduler_metadata = h.rows.data();
+  p.num_splits = h.num_splits.data();
+  plan_decode_host(p);
+  h.params = p;
+  return h;
+}
+
+TEST(Plan, WorkedExample) {
+  // reference/flashmla-semantics.md §5.2: P = 8, dense lengths [1000, 64, 0, 4096].
+  const std::vector<int32_t> lens = {1000, 64, 0, 4096};
+  DecodePlanParams p;
+  p.b = 4;
+  p.num_sm_parts = 8;
+  p.seqlens_k = lens.data();
+  const HostPlan h = make_plan(p);
+  const int expected[8][7] = {
+      // begin_req, end_req, begin_block, end_block, begin_split, first_split, last_split
+      {0, 0, 0, 13, 0, 1, 1}, {0, 1, 13, 1, 1, 1, 0}, {2, 3, 0, 7, 0, 0, 1},   {3, 3, 7, 20, 1, 1, 1},
+      {3, 3, 20, 33, 2, 1, 1}, {3, 3, 33, 46, 3, 1, 1}, {3, 3, 46, 59, 4, 1, 1}, {3, 3, 59, 64, 5, 1, 1},
+  };
+  for (int part = 0; part < 8; ++part)
+    for (int f = 0; f < 7; ++f) EXPECT_EQ(h.rows[part * 8 + f], expected[part][f]) << "part " << part << " field " << f;
+  EXPECT_EQ(h.num_splits, (std::vector<int32_t>{0, 2, 3, 4, 10}));
+}
+
+// Walks a plan the way the kernels do and checks every block of every request is run exactly once,
+// by the pieces num_splits promises, with whole requests written directly.
+void expect_covers_exactly(const HostPlan& h) {
+  const DecodePlanParams& p = h.params;
+  std::vector<std::vector<int>> seen(p.b);
+  std::vector<int> pieces(p.b, 0);
+  std::vector<std::vector<int>> split_ids(p.b);
+  for (int b = 0; b < p.b; ++b) seen[b].assign(request_blocks(p, b), 0);
+  const auto* rows = reinterpret_cast<const PlanRow*>(h.rows.data());
+  for (int part = 0; part < p.num_sm_parts; ++part) {
+    const PlanRow& r = rows[part];
+    if (r.begin_req >= p.b) continue;
+    for (int k = 0; k <= r.end_req - r.begin_req; ++k) {
+      const PlanPiece pc = plan_piece(r, h.num_splits.data(), k, request_blocks(p, r.begin_req + k));
+      for (int blk = pc.block_begin; blk < pc.block_end; ++blk) ++seen[pc.req][blk];
+      ++pieces[pc.req];
+      const int n = h.num_splits[pc.req + 1] - h.num_splits[pc.req];
+      EXPECT_EQ(pc.is_split, n > 1) << "request " << pc.req;
+      if (pc.is_split) split_ids[pc.req].push_back(pc.split_index);
+    }
+  }
+  EXPECT_EQ(h.num_splits[0], 0);
+  EXPECT_LE(h.num_splits[p.b], p.b + p.num_sm_parts - 1);
+  for (int b = 0; b < p.b; ++b) {
+    for (int blk = 0; blk < int(seen[b].size()); ++blk) EXPECT_EQ(seen[b][blk], 1) << "request " << b << " block " << blk;
+    const int n = h.num_splits[b + 1] - h.num_splits[b];
+    EXPECT_GE(n, 1);
+    EXPECT_EQ(pieces[b], n) << "request " << b;
+    if (n > 1) {
+      // Pieces write distinct workspace rows num_splits[b] .. num_splits[b+1]-1.
+      std::vector<int> want;
+      for (int k = 0; k < n; ++k) want.push_back(h.num_splits[b] + k);
+      EXPECT_EQ(split_ids[b], want) << "request " << b;
+    }
+  }
+  EXPECT_NO_THROW(check_plan_matches(p));
+}
+
+TEST(Plan, DenseInvariantsOnRandomBatches) {
+  std::mt19937 rng(1);
+  for (int trial = 0; trial < 300; ++trial) {
+    const int b = 1 + int(rng() % 200);
+    std::vector<int32_t> lens(b);
+    for (auto& l : lens) l = rng() % 5 == 0 ? 0 : int(rng() % 20000);
+    DecodePlanParams p;
+    p.b = b;
+    p.num_sm_parts = 1 + int(rng() % 140);
+    p.seqlens_k = lens.data();
+    expect_covers_exactly(make_plan(p));
+  }
+}
+
+TEST(Plan, SparseInvariantsWithLengthsAndExtraCache) {
+  std::mt19937 rng(2);
+  for (int trial = 0; trial < 300; ++trial) {
+    const int b = 1 + int(rng() % 100);
+    std::vector<int32_t> topk_len(b), extra_len(b);
+    DecodePlanParams p;
+    p.b = b;
+    p.num_sm_parts = 1 + int(rng() % 70);
+    p.topk = 1 + int(rng() % 3000);
+    for (auto& l : topk_len) l = int(rng() % (p.topk + 20));  // > topk is clamped
+    if (trial % 2) p.topk_length = topk_len.data();
+    if (trial % 3) {
+      p.extra_topk = 1 + int(rng() % 1500);
+      for (auto& l : extra_len) l = int(rng() % (p.extra_topk + 1));
+      if (trial % 4 < 2) p.extra_topk_length = extra_len.data();
+    }
+    const HostPlan h = make_plan(p);
+    expect_covers_exactly(h);
+    for (int i = 0; i < b; ++i) {
+      EXPECT_EQ(sparse_main_blocks(p, i), std::max(1, (sparse_main_len(p, i) + 63) / 64));
+      EXPECT_EQ(request_blocks(p, i), sparse_main_blocks(p, i) + (sparse_extra_len(p, i) + 63) / 64);
+    }
+  }
+}
+
+TEST(Plan, ZeroLengthRequestsGetOneWholePiece) {
+  const std::vector<int32_t> lens = {0, 0, 0};
+  DecodePlanParams p;
+  p.b = 3;
+  p.num_sm_parts = 4;
+  p.seqlens_k = lens.data();
+  const HostPlan h = make_plan(p);
+  EXPECT_EQ(h.num_splits, (std::vector<int32_t>{0, 1, 2, 3}));
+  expect_covers_exactly(h);
+}
+
+TEST(Plan, StalePlanIsRejected) {
+  std::vector<int32_t> lens = {300, 5000, 70};
+  DecodePlanParams p;
+  p.b = 3;
+  p.num_sm_parts = 6;
+  p.seqlens_k = lens.data();
+  HostPlan h = make_plan(p);
+  // Request 1 was split over several parts; with fewer blocks its later pieces point past its end.
+  ASSERT_GT(h.num_splits[2] - h.num_splits[1], 2);
+  lens[1] = 100;
+  try {
+    check_plan_matches(h.params);
+    FAIL() << "a plan for other lengths must be rejected";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("request 1"), std::string::npos) << e.what();
+  }
+}
+
+TEST(Plan, NegativeLengthNamesTheArgument) {
+  const std::vector<int32_t> lens = {10, -3};
+  DecodePlanParams p;
+  p.b = 2;
+  p.num_sm_parts = 2;
+  p.seqlens_k = lens.data();
+  try {
+    make_plan(p);
+    FAIL() << "negative length accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("cache_seqlens[1]"), std::string::npos) << e.what();
+  }
+}
+
+TEST(Plan, PartsCount) {
+  EXPECT_EQ(num_sm_parts_dense(132, 1, 128, 1), 66);  // FlashMLA's H800 example
+  EXPECT_EQ(num_sm_parts_dense(132, 1, 16, 1), 132);
+  EXPECT_EQ(num_sm_parts_dense(132, 2, 128, 1), 33);
+  EXPECT_EQ(num_sm_parts_dense(4, 4, 128, 8), 1);
+  EXPECT_EQ(num_sm_parts_sparse(132, 2, 128), 33);
+  EXPECT_EQ(num_sm_parts_sparse(132, 1, 16), 132);
+}
+
+}  // namespace
+}  // namespace mla

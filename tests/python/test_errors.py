@@ -1,0 +1,458 @@
+"""Every violated precondition raises a Python exception (RuntimeError from TORCH_CHECK, or
+AssertionError / ValueError from Python) whose message names the offending argument and says what
+was wrong (SPEC section 7). Wrong device cannot be tested on a CPU-only machine."""
+
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import mla_kernels.flash_mla as flash_mla
+import reference as R
+
+ops = torch.ops.mla_kernels
+ERRORS = (RuntimeError, ValueError, AssertionError)
+
+
+def _ids(cases):
+    return [pytest.param(n, p, id=n) for n, p in cases]
+
+
+def names(arg, what):
+    """Regex: the message mentions the argument (`arg`, a regex of accepted spellings) and what
+    was wrong (`what`), in either order."""
+    return rf"(?is)((\b({arg})\b).*({what})|({what}).*(\b({arg})\b))"
+
+
+# ----------------------------------------------------------------------------- dense decode
+
+def dense_base(b=2, s_q=1, h_q=16, h_k=1, page=16, d=576, dtype=torch.bfloat16, seqlens=(20, 33)):
+    p = R.make_dense_paged(list(seqlens)[:b] + [5] * max(0, b - len(seqlens)), page, h_k, d, dtype)
+    q = R.rand((b, s_q, h_q, d), dtype)
+    return dict(q=q, k_cache=p.k_cache, block_table=p.block_table, cache_seqlens=p.cache_seqlens, head_dim_v=512)
+
+
+def call_dense(a, path="lazy", **kw):
+    if path == "lazy":
+        meta, _ = flash_mla.get_mla_metadata()
+        return flash_mla.flash_mla_with_kvcache(a["q"], a["k_cache"], a["block_table"], a["cache_seqlens"],
+                                                a["head_dim_v"], meta, **kw)
+    h_k = a["k_cache"].shape[2] if a["k_cache"].dim() == 4 else 1
+    tsm, ns = flash_mla.get_mla_metadata(torch.tensor([20, 33], dtype=torch.int32), 16, 1)
+    return flash_mla.flash_mla_with_kvcache(a["q"], a["k_cache"], a["block_table"], a["cache_seqlens"],
+                                            a["head_dim_v"], tsm, ns, **kw)
+
+
+def _strided_last(t):
+    big = torch.cat([t, t], dim=-1)
+    v = big[..., ::2]
+    assert v.stride(-1) == 2
+    return v
+
+
+def _mut_dense(name):
+    a = dense_base()
+    if name == "q_dtype":
+        a["q"] = a["q"].float()
+        return a, names("q|query", "dtype|float|bfloat16|bf16")
+    if name == "k_cache_dtype":
+        a["k_cache"] = a["k_cache"].half()
+        return a, names("k_cache|kcache|kv_cache|key", "dtype|same|half|float16")
+    if name == "block_table_dtype":
+        a["block_table"] = a["block_table"].long()
+        return a, names("block_table", "int32|dtype|int64|long")
+    if name == "cache_seqlens_dtype":
+        a["cache_seqlens"] = a["cache_seqlens"].long()
+        return a, names("cache_seqlens|seqlens_k", "int32|dtype|int64|long")
+    if name == "q_rank":
+        a["q"] = a["q"][:, 0]
+        return a, names("q|query", "dim|rank|4")
+    if name == "k_cache_rank":
+        a["k_cache"] = a["k_cache"][:, :, 0]
+        return a, names("k_cache|kcache|kv_cache", "dim|rank|4")
+    if name == "block_table_rank":
+        a["block_table"] = a["block_table"][0]
+        return a, names("block_table", "dim|rank|2")
+    if name == "q_last_dim_strided":
+        a["q"] = _strided_last(a["q"])
+        return a, names("q|query", "contiguous|stride")
+    if name == "k_cache_last_dim_strided":
+        a["k_cache"] = _strided_last(a["k_cache"])
+        return a, names("k_cache|kcache|kv_cache", "contiguous|stride")
+    if name == "block_table_last_dim_strided":
+        a["block_table"] = _strided_last(a["block_table"])
+        return a, names("block_table", "contiguous|stride")
+    if name == "k_cache_head_dim_mismatch":
+        a["k_cache"] = a["k_cache"][..., :512].contiguous()
+        return a, names("k_cache|kcache|kv_cache|d_qk|head_dim|head_size", "576|512|shape|size|match")
+    if name == "block_table_batch_mismatch":
+        a["block_table"] = torch.cat([a["block_table"], a["block_table"][:1]])
+        return a, names("block_table", "shape|size|batch|\\bb\\b")
+    if name == "cache_seqlens_batch_mismatch":
+        a["cache_seqlens"] = torch.tensor([20, 33, 1], dtype=torch.int32)
+        return a, names("cache_seqlens|seqlens_k", "shape|size|batch|\\bb\\b")
+    if name == "h_q_not_multiple_of_h_k":
+        a = dense_base(h_q=3, h_k=2)
+        return a, names("h_q|h_k|num_heads|heads", "divis|multiple|%")
+    if name == "negative_cache_seqlens":
+        a["cache_seqlens"] = torch.tensor([20, -3], dtype=torch.int32)
+        return a, names("cache_seqlens|seqlens_k", "negative|>= ?0|non-negative|nonnegative")
+    if name == "head_dim_v_not_512":
+        a["head_dim_v"] = 576
+        return a, names("head_dim_v|head_size_v|d_v", "512")
+    if name == "unsupported_d_qk":
+        a = dense_base(d=128)
+        return a, names("d_qk|head_dim|head_size|q", "576|512")
+    raise KeyError(name)
+
+
+DENSE_ERRORS = ["q_dtype", "k_cache_dtype", "block_table_dtype", "cache_seqlens_dtype", "q_rank", "k_cache_rank",
+                "block_table_rank", "q_last_dim_strided", "k_cache_last_dim_strided", "block_table_last_dim_strided",
+                "k_cache_head_dim_mismatch", "block_table_batch_mismatch", "cache_seqlens_batch_mismatch",
+                "h_q_not_multiple_of_h_k", "negative_cache_seqlens", "head_dim_v_not_512", "unsupported_d_qk"]
+
+
+def test_dense_baseline_is_valid():
+    for path in ("lazy", "legacy"):
+        out, lse = call_dense(dense_base(), path)
+        assert torch.isfinite(lse).all()
+
+
+@pytest.mark.parametrize("name", DENSE_ERRORS)
+@pytest.mark.parametrize("path", ["lazy", "legacy"])
+def test_dense_errors(name, path):
+    a, pattern = _mut_dense(name)
+    if path == "legacy":
+        seqlens = a["cache_seqlens"]
+        h_k = a["k_cache"].shape[2] if a["k_cache"].dim() == 4 else 1
+        q = a["q"]
+        nq = (q.shape[1] * q.shape[2] // max(h_k, 1)) if q.dim() == 4 else 16
+        # plan for a valid batch of the same size: the decode op itself must catch the problem
+        tsm, ns = flash_mla.get_mla_metadata(torch.tensor([20, 33], dtype=torch.int32), nq, h_k)
+        with pytest.raises(ERRORS, match=pattern):
+            flash_mla.flash_mla_with_kvcache(q, a["k_cache"], a["block_table"], seqlens, a["head_dim_v"], tsm, ns)
+    else:
+        with pytest.raises(ERRORS, match=pattern):
+            call_dense(a, "lazy")
+
+
+def run_isolated(body):
+    """Run `body` (which sets q, kc, bt, sl) in a subprocess, so that a crash shows as a failure
+    instead of killing the suite. Returns the exception message; fails if none was raised."""
+    code = "import torch, mla_kernels.flash_mla as fm\n" + textwrap.dedent(body) + textwrap.dedent("""
+        try:
+            if PATH == "lazy":
+                meta, _ = fm.get_mla_metadata()
+                fm.flash_mla_with_kvcache(q, kc, bt, sl, 512, meta)
+            else:
+                tsm, ns = fm.get_mla_metadata(torch.tensor([10] * q.shape[0], dtype=torch.int32), q.shape[1] * q.shape[2], 1)
+                fm.flash_mla_with_kvcache(q, kc, bt, sl, 512, tsm, ns)
+        except (RuntimeError, ValueError, AssertionError) as e:
+            print("RAISED:", e)
+        else:
+            print("NO ERROR")
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, f"process died (rc {r.returncode}): {r.stderr[-2000:]}"
+    assert "RAISED:" in r.stdout, f"invalid input silently accepted: {r.stdout[-500:]}"
+    return r.stdout
+
+
+@pytest.mark.parametrize("path", ["lazy", "legacy"])
+def test_dense_block_table_entry_out_of_range(path):
+    """A used block-table entry >= num_blocks must raise (naming block_table), never crash."""
+    msg = run_isolated(f"""
+        PATH = "{path}"
+        q = torch.randn(1, 1, 16, 576).bfloat16() / 10
+        kc = torch.randn(4, 16, 1, 576).bfloat16() / 10
+        bt = torch.tensor([[1, 2147480000]], dtype=torch.int32)
+        sl = torch.tensor([30], dtype=torch.int32)
+    """)
+    assert re.search(names("block_table", "range|num_blocks|invalid|out of|< ?\\d|>="), msg), msg
+
+
+@pytest.mark.parametrize("path", ["lazy", "legacy"])
+def test_dense_cache_seqlens_beyond_block_table(path):
+    """cache_seqlens larger than the block table can hold must raise, never read past it."""
+    msg = run_isolated(f"""
+        PATH = "{path}"
+        q = torch.randn(2, 1, 16, 576).bfloat16() / 10
+        kc = torch.randn(8, 16, 1, 576).bfloat16() / 10
+        bt = torch.tensor([[1, 2], [3, 4]], dtype=torch.int32)
+        sl = torch.tensor([20, 33], dtype=torch.int32)
+    """)
+    assert re.search(names("cache_seqlens|seqlens_k|block_table", "exceed|capacity|too|larger|at most|<=|max|beyond"),
+                     msg), msg
+
+
+@pytest.mark.parametrize("name,pattern", _ids([
+    ("num_splits_with_sched_meta", names("num_splits", "None|must")),
+    ("legacy_without_num_splits", names("num_splits", "None|must|required|given")),
+    ("legacy_with_attn_sink", names("attn_sink", "None|legacy|not support|must|needs|FlashMLASchedMeta")),
+    ("dense_with_attn_sink", names("attn_sink", "None|dense|sparse|must")),
+    ("dense_without_block_table", names("block_table", "None|required|must|given")),
+    ("descale_q_without_descale_k", names("descale_q|descale_k|descale", "both|None|together|must")),
+]))
+def test_api_argument_combinations(name, pattern):
+    a = dense_base()
+    q, kc, bt, sl = a["q"], a["k_cache"], a["block_table"], a["cache_seqlens"]
+    meta, _ = flash_mla.get_mla_metadata()
+    tsm, ns = flash_mla.get_mla_metadata(sl, 16, 1)
+    with pytest.raises(ERRORS, match=pattern):
+        if name == "num_splits_with_sched_meta":
+            flash_mla.flash_mla_with_kvcache(q, kc, bt, sl, 512, meta, ns)
+        elif name == "legacy_without_num_splits":
+            flash_mla.flash_mla_with_kvcache(q, kc, bt, sl, 512, tsm, None)
+        elif name == "legacy_with_attn_sink":
+            flash_mla.flash_mla_with_kvcache(q, kc, bt, sl, 512, tsm, ns, attn_sink=torch.zeros(16))
+        elif name == "dense_with_attn_sink":
+            flash_mla.flash_mla_with_kvcache(q, kc, bt, sl, 512, meta, attn_sink=torch.zeros(16))
+        elif name == "dense_without_block_table":
+            flash_mla.flash_mla_with_kvcache(q, kc, None, sl, 512, meta)
+        elif name == "descale_q_without_descale_k":
+            flash_mla.flash_mla_with_kvcache(q, kc, bt, sl, 512, tsm, ns, descale_q=torch.ones(1))
+
+
+@pytest.mark.parametrize("name,pattern", _ids([
+    ("tsm_wrong_shape", names("tile_scheduler_metadata", "shape|size|8|dim")),
+    ("tsm_wrong_dtype", names("tile_scheduler_metadata", "int32|dtype")),
+    ("num_splits_wrong_size", names("num_splits", "shape|size|b ?\\+ ?1")),
+    ("num_splits_wrong_dtype", names("num_splits", "int32|dtype")),
+]))
+def test_legacy_metadata_tensor_checks(name, pattern):
+    a = dense_base()
+    tsm, ns = flash_mla.get_mla_metadata(a["cache_seqlens"], 16, 1)
+    if name == "tsm_wrong_shape":
+        tsm = tsm[:, :7].contiguous()
+    elif name == "tsm_wrong_dtype":
+        tsm = tsm.long()
+    elif name == "num_splits_wrong_size":
+        ns = torch.cat([ns, ns[-1:]])
+    elif name == "num_splits_wrong_dtype":
+        ns = ns.long()
+    with pytest.raises(ERRORS, match=pattern):
+        flash_mla.flash_mla_with_kvcache(a["q"], a["k_cache"], a["block_table"], a["cache_seqlens"], 512, tsm, ns)
+
+
+# ----------------------------------------------------------------------------- dense fp8
+
+def fp8_base():
+    p = R.make_dense_paged([20, 33], 16, 1, 576, torch.float8_e4m3fn)
+    q8 = (R.rand((2, 1, 16, 576), torch.float32) * 20).to(torch.float8_e4m3fn)
+    tsm, ns = flash_mla.get_mla_metadata(p.cache_seqlens, 16, 1, is_fp8_kvcache=True)
+    return q8, p, tsm, ns
+
+
+@pytest.mark.parametrize("name,pattern", _ids([
+    ("descale_q_wrong_shape", names("descale_q", "shape|size|\\[1\\]|\\bb\\b|batch")),
+    ("descale_k_wrong_dtype", names("descale_k", "float32|dtype")),
+    ("k_cache_bf16_with_fp8_q", names("k_cache|kcache|kv_cache", "dtype|float8|fp8|e4m3|same")),
+]))
+def test_dense_fp8_errors(name, pattern):
+    q8, p, tsm, ns = fp8_base()
+    dq, dk, kc = torch.tensor([0.05]), torch.tensor([0.03]), p.k_cache
+    if name == "descale_q_wrong_shape":
+        dq = torch.full((3,), 0.05)
+    elif name == "descale_k_wrong_dtype":
+        dk = dk.half()
+    elif name == "k_cache_bf16_with_fp8_q":
+        kc = R.rand(tuple(p.k_cache.shape))
+    # baseline valid
+    flash_mla.flash_mla_with_kvcache(q8, p.k_cache, p.block_table, p.cache_seqlens, 512, tsm, ns,
+                                     descale_q=torch.tensor([0.05]), descale_k=torch.tensor([0.03]))
+    with pytest.raises(ERRORS, match=pattern):
+        flash_mla.flash_mla_with_kvcache(q8, kc, p.block_table, p.cache_seqlens, 512, tsm, ns, descale_q=dq,
+                                         descale_k=dk)
+
+
+# ----------------------------------------------------------------------------- metadata
+
+@pytest.mark.parametrize("name,pattern", _ids([
+    ("missing_num_q_tokens", names("num_q_tokens_per_head_k", "None|must|required|given")),
+    ("seqlens_dtype", names("seqlens|cache_seqlens|seqlens_k", "int32|dtype")),
+    ("seqlens_negative", names("seqlens|cache_seqlens|seqlens_k", "negative|>= ?0|non-negative")),
+    ("seqlens_rank", names("seqlens|cache_seqlens|seqlens_k", "dim|rank|1-?D|shape")),
+    ("topk_without_h_q", names("h_q|num_heads_q", "None|must|required|topk|sparse")),
+]))
+def test_get_mla_metadata_errors(name, pattern):
+    sl = torch.tensor([10, 20], dtype=torch.int32)
+    with pytest.raises(ERRORS, match=pattern):
+        if name == "missing_num_q_tokens":
+            flash_mla.get_mla_metadata(sl)
+        elif name == "seqlens_dtype":
+            flash_mla.get_mla_metadata(sl.long(), 16, 1)
+        elif name == "seqlens_negative":
+            flash_mla.get_mla_metadata(torch.tensor([10, -1], dtype=torch.int32), 16, 1)
+        elif name == "seqlens_rank":
+            flash_mla.get_mla_metadata(sl.view(2, 1), 16, 1)
+        elif name == "topk_without_h_q":
+            flash_mla.get_mla_metadata(sl, 64, 1, None, True, 64)
+
+
+# ----------------------------------------------------------------------------- sparse decode
+
+def sparse_base(fmt="model1", h_q=16, topk=32):
+    main = R.make_sparse_cache(fmt, 2, 1, 80, topk, 16, with_topk_length=True)
+    ex = R.make_sparse_cache(fmt, 2, 1, 40, 8, 16, with_topk_length=True)
+    return dict(q=R.rand((2, 1, h_q, R.FORMATS[fmt].d)), kv=main.kv8, indices=main.indices,
+                topk_length=main.topk_length, attn_sink=torch.zeros(h_q), extra_kv=ex.kv8,
+                extra_indices=ex.indices, extra_topk_length=ex.topk_length, d_v=512, causal=False, is_fp8=True)
+
+
+def call_sparse(a):
+    meta, _ = flash_mla.get_mla_metadata()
+    return flash_mla.flash_mla_with_kvcache(
+        a["q"], a["kv"], None, None, a["d_v"], meta, softmax_scale=1.0, causal=a["causal"],
+        is_fp8_kvcache=a["is_fp8"], indices=a["indices"], attn_sink=a["attn_sink"], extra_k_cache=a["extra_kv"],
+        extra_indices_in_kvcache=a["extra_indices"], topk_length=a["topk_length"],
+        extra_topk_length=a["extra_topk_length"])
+
+
+SPARSE_ERRORS = {
+    "h_kv_not_1": ("kv", lambda a: a["kv"].expand(-1, -1, 2, -1), names("h_kv|h_k|num_heads_k|MQA|kv|k_cache", "1|MQA")),
+    "q_dtype": ("q", lambda a: a["q"].half(), names("q|query", "bfloat16|bf16|dtype")),
+    "kv_dtype": ("kv", lambda a: a["kv"].to(torch.bfloat16), names("kv|k_cache|kv_cache", "uint8|int8|fp8|float8|dtype")),
+    "indices_dtype": ("indices", lambda a: a["indices"].long(), names("indices", "int32|dtype")),
+    "indices_rank": ("indices", lambda a: a["indices"][:, 0], names("indices", "dim|rank|3")),
+    "indices_shape": ("indices", lambda a: torch.cat([a["indices"], a["indices"]], 1),
+                      names("indices", "shape|size|s_q")),
+    "indices_last_dim_strided": ("indices", lambda a: _strided_last(a["indices"]), names("indices", "contiguous|stride")),
+    "q_last_dim_strided": ("q", lambda a: _strided_last(a["q"]), names("q|query", "contiguous|stride")),
+    "bytes_per_token": ("kv", lambda a: a["kv"][..., :580], names("kv|k_cache|bytes|bytes_per_token", "584|656")),
+    "kv_token_stride": ("kv", lambda a: torch.empty(a["kv"].shape[0], a["kv"].shape[1], 1, 600, dtype=torch.uint8)[..., :584],
+                        names("kv|k_cache|stride", "stride|contiguous|584")),
+    "topk_length_negative": ("topk_length", lambda a: torch.tensor([3, -1], dtype=torch.int32),
+                             names("topk_length", "negative|>= ?0|non-negative")),
+    "topk_length_shape": ("topk_length", lambda a: torch.tensor([3, 1, 2], dtype=torch.int32),
+                          names("topk_length", "shape|size")),
+    "topk_length_dtype": ("topk_length", lambda a: a["topk_length"].long(), names("topk_length", "int32|dtype")),
+    "attn_sink_shape": ("attn_sink", lambda a: torch.zeros(17), names("attn_sink", "shape|size|h_q")),
+    "attn_sink_dtype": ("attn_sink", lambda a: torch.zeros(16, dtype=torch.bfloat16), names("attn_sink", "float32|dtype")),
+    "extra_indices_without_extra_kv": ("extra_kv", lambda a: None,
+                                       names("extra_indices|extra_indices_in_kvcache|extra_k_cache|extra_kv|extra_topk_length", "extra|given|without|must|None")),
+    "extra_topk_length_negative": ("extra_topk_length", lambda a: torch.tensor([-2, 1], dtype=torch.int32),
+                                   names("extra_topk_length", "negative|>= ?0|non-negative")),
+    "extra_kv_other_format": ("extra_kv", lambda a: R.make_sparse_cache("v32", 2, 1, 40, 8, 16).kv8,
+                              names("extra_kv|extra_k_cache", "584|656|bytes|shape|size")),
+    "extra_indices_dtype": ("extra_indices", lambda a: a["extra_indices"].long(), names("extra_indices|extra_indices_in_kvcache", "int32|dtype")),
+    "d_v_not_512": ("d_v", lambda a: 576, names("d_v|head_dim_v|head_size_v", "512")),
+    "causal": ("causal", lambda a: True, names("causal", "sparse|False|not|must|support")),
+    "not_fp8": ("is_fp8", lambda a: False, names("is_fp8_kvcache|is_fp8|fp8", "sparse|True|must|require")),
+    "topk_zero": ("indices", lambda a: a["indices"][..., :0], names("topk|indices", "> ?0|positive|empty|zero|at least")),
+}
+
+
+def test_sparse_baseline_is_valid():
+    for fmt in ("model1", "v32"):
+        out, lse = call_sparse(sparse_base(fmt))
+        assert out.shape == (2, 1, 16, 512)
+
+
+@pytest.mark.parametrize("name", list(SPARSE_ERRORS))
+def test_sparse_decode_errors(name):
+    key, mutate, pattern = SPARSE_ERRORS[name]
+    a = sparse_base()
+    a[key] = mutate(a)
+    with pytest.raises(ERRORS, match=pattern):
+        call_sparse(a)
+
+
+def test_sparse_unsupported_d_qk():
+    a = sparse_base()
+    a["q"] = R.rand((2, 1, 16, 256))
+    with pytest.raises(ERRORS, match=names("d_qk|head_dim|head_size|q", "576|512")):
+        call_sparse(a)
+
+
+def test_sparse_q_dim_mismatches_kv_format():
+    a = sparse_base("model1")
+    a["q"] = R.rand((2, 1, 16, 576))   # V3.2 query against a MODEL1 cache
+    with pytest.raises(ERRORS, match=names("kv|k_cache|bytes|bytes_per_token", "584|656|shape|size")):
+        call_sparse(a)
+
+
+# ----------------------------------------------------------------------------- sparse prefill
+
+def prefill_base():
+    c = R.make_prefill_case(4, 50, 16, 576, 24, with_topk_length=True, poison=False)
+    return dict(q=c.q, kv=c.kv, indices=c.indices, sm_scale=1.0, d_v=512, attn_sink=torch.zeros(16),
+                topk_length=c.topk_length)
+
+
+def call_prefill(a, **kw):
+    return flash_mla.flash_mla_sparse_fwd(a["q"], a["kv"], a["indices"], a["sm_scale"], a["d_v"],
+                                          attn_sink=a["attn_sink"], topk_length=a["topk_length"], **kw)
+
+
+PREFILL_ERRORS = {
+    "h_kv_not_1": ("kv", lambda a: a["kv"].expand(-1, 2, -1), names("h_kv|kv", "1|MQA")),
+    "d_v_not_512": ("d_v", lambda a: 256, names("d_v", "512")),
+    "indices_rank": ("indices", lambda a: a["indices"][:, 0], names("indices", "dim|rank|3")),
+    "indices_shape": ("indices", lambda a: a["indices"].expand(-1, 2, -1), names("indices", "shape|size|h_kv")),
+    "indices_dtype": ("indices", lambda a: a["indices"].long(), names("indices", "int32|dtype")),
+    "topk_length_negative": ("topk_length", lambda a: torch.tensor([1, 2, -3, 4], dtype=torch.int32),
+                             names("topk_length", "negative|>= ?0|non-negative")),
+    "topk_length_shape": ("topk_length", lambda a: torch.tensor([1, 2, 3], dtype=torch.int32),
+                          names("topk_length", "shape|size|s_q")),
+    "kv_dtype": ("kv", lambda a: a["kv"].float(), names("kv", "bfloat16|bf16|dtype")),
+    "q_dtype": ("q", lambda a: a["q"].half(), names("q|query", "bfloat16|bf16|dtype")),
+    "q_rank": ("q", lambda a: a["q"][None], names("q|query", "dim|rank|3")),
+    "unsupported_d_qk": ("both", None, names("d_qk|head_dim|head_size|q", "576|512")),
+    "kv_head_dim_mismatch": ("kv", lambda a: a["kv"][..., :512].contiguous(), names("kv|d_qk", "shape|size|576|512|match")),
+    "attn_sink_shape": ("attn_sink", lambda a: torch.zeros(8), names("attn_sink", "shape|size|h_q")),
+    "attn_sink_dtype": ("attn_sink", lambda a: torch.zeros(16, dtype=torch.float64), names("attn_sink", "float32|dtype")),
+    "q_last_dim_strided": ("q", lambda a: _strided_last(a["q"]), names("q|query", "contiguous|stride")),
+    "kv_last_dim_strided": ("kv", lambda a: _strided_last(a["kv"]), names("kv", "contiguous|stride")),
+}
+
+
+def test_prefill_baseline_is_valid():
+    out, m, l = call_prefill(prefill_base())
+    assert out.shape == (4, 16, 512)
+
+
+@pytest.mark.parametrize("name", list(PREFILL_ERRORS))
+def test_sparse_prefill_errors(name):
+    key, mutate, pattern = PREFILL_ERRORS[name]
+    a = prefill_base()
+    if key == "both":
+        a["q"] = R.rand((4, 16, 256))
+        a["kv"] = R.rand((50, 1, 256))
+    else:
+        a[key] = mutate(a)
+    with pytest.raises(ERRORS, match=pattern):
+        call_prefill(a)
+
+
+def test_prefill_bad_lse_base():
+    with pytest.raises(ERRORS, match=names("lse_base", "2|e")):
+        call_prefill(prefill_base(), lse_base=10)
+
+
+# ----------------------------------------------------------------------------- formats
+
+@pytest.mark.parametrize("name,pattern", _ids([
+    ("bad_fmt", names("fmt|format", "v32|model1")),
+    ("v32_wrong_dim", names("kv|kv_bf16|d|dim|shape", "576")),
+    ("model1_wrong_dim", names("kv|kv_bf16|d|dim|shape", "512")),
+    ("wrong_rank", names("kv|kv_bf16|dim|rank|shape", "4|dim|rank")),
+    ("h_not_1", names("kv|kv_bf16|h|heads|shape|dim", "1")),
+    ("dequant_wrong_bytes", names("kv8|kv|bytes|shape", "584|656")),
+]))
+def test_format_helper_errors(name, pattern):
+    with pytest.raises(ERRORS, match=pattern):
+        if name == "bad_fmt":
+            flash_mla.quantize_kv_fp8(R.rand((1, 4, 1, 576)), "v4")
+        elif name == "v32_wrong_dim":
+            flash_mla.quantize_kv_fp8(R.rand((1, 4, 1, 512)), "v32")
+        elif name == "model1_wrong_dim":
+            flash_mla.quantize_kv_fp8(R.rand((1, 4, 1, 576)), "model1")
+        elif name == "wrong_rank":
+            flash_mla.quantize_kv_fp8(R.rand((4, 1, 576)), "v32")
+        elif name == "h_not_1":
+            flash_mla.quantize_kv_fp8(R.rand((1, 4, 2, 576)), "v32")
+        elif name == "dequant_wrong_bytes":
+            flash_mla.dequantize_kv_fp8(torch.zeros(1, 4, 1, 656, dtype=torch.uint8), "model1")
