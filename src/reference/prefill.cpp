@@ -12,6 +12,9 @@ namespace mla::reference {
 
 void sparse_prefill(const SparsePrefillParams& p) {
   validate(p);
+  if (p.topk_length)
+    for (int s = 0; s < p.s_q; ++s)
+      MLA_CHECK(p.topk_length[s] >= 0, "topk_length[", s, "] must be >= 0, got ", p.topk_length[s]);
   parallel_for(p.s_q, [&](int s) {
     OnlineSoftmax sm(p.h_q, p.d_v);
     std::vector<float> q(size_t(p.h_q) * p.d_qk), keys(size_t(kPlanBlockSize) * p.d_qk), z(kPlanBlockSize);

@@ -74,6 +74,21 @@ Workspace make_workspace(int b, int s_q, int h_q, const Plan& plan, c10::Device 
   return ws;
 }
 
+// Validates the params, plans when the call brought no plan, allocates the split workspace, runs.
+template <typename Params, typename Kernel>
+void plan_and_run(const char* op, Params& p, const Plan& plan, c10::Device device, Kernel&& kernel) {
+  run_core(op, [&] {
+    validate(p);
+    if (plan.fresh) {
+      DecodePlanParams pp = reference::plan_params(p);
+      fill_plan(pp, plan);
+      plan_decode_host(pp);
+    }
+    Workspace ws = make_workspace(p.b, p.s_q, p.h_q, plan, device, p.split);
+    kernel(p);
+  });
+}
+
 void fill_output(DecodeOutput& o, const Tensor& out, const Tensor& lse_bsh) {
   o.out = out.data_ptr();
   o.out_dtype = out.scalar_type() == at::kHalf ? DType::kFP16 : DType::kBF16;
@@ -173,16 +188,7 @@ DecodeResult dense_decode(const char* op, const DenseArgs& a, bool fp8) {
   }
   fill_output(p.o, out, lse.transpose(1, 2));
 
-  run_core(op, [&] {
-    validate(p);
-    if (plan.fresh) {
-      DecodePlanParams pp = reference::plan_params(p);
-      fill_plan(pp, plan);
-      plan_decode_host(pp);
-    }
-    Workspace ws = make_workspace(b, s_q, h_q, plan, a.q.device(), p.split);
-    reference::dense_decode(p);
-  });
+  plan_and_run(op, p, plan, a.q.device(), [](const DenseDecodeParams& params) { reference::dense_decode(params); });
   if (plan.fresh) return {out, lse, plan.tile_scheduler_metadata, plan.num_splits};
   return {out, lse, std::nullopt, std::nullopt};
 }
@@ -347,16 +353,7 @@ DecodeResult sparse_decode_fwd(const Tensor& q, const Tensor& kv, const Tensor& 
   p.attn_sink = attn_sink ? attn_sink->data_ptr<float>() : nullptr;
   fill_output(p.o, out, lse);
 
-  run_core(op, [&] {
-    validate(p);
-    if (plan.fresh) {
-      DecodePlanParams pp = reference::plan_params(p);
-      fill_plan(pp, plan);
-      plan_decode_host(pp);
-    }
-    Workspace ws = make_workspace(b, s_q, h_q, plan, q.device(), p.split);
-    reference::sparse_decode(p);
-  });
+  plan_and_run(op, p, plan, q.device(), [](const SparseDecodeParams& params) { reference::sparse_decode(params); });
   if (plan.fresh) return {out, lse.transpose(1, 2), plan.tile_scheduler_metadata, plan.num_splits};
   return {out, lse.transpose(1, 2), std::nullopt, std::nullopt};
 }
