@@ -484,8 +484,12 @@ def make_sparse_cache(fmt: Fp8Format | str, b: int, s_q: int, s_k: int, topk: in
         idx[i, s] = torch.tensor(invalid_vals)[torch.randint(0, len(invalid_vals), (topk,))]
     topk_length = None
     if with_topk_length:
-        topk_length = torch.randint(0, topk + 1, (b,), dtype=torch.int32)
-        if b > 1:
+        # mostly partial lengths (so that ignoring them would show), one full length when b >= 3
+        if topk == 1:
+            topk_length = torch.randint(0, 2, (b,), dtype=torch.int32)
+        else:
+            topk_length = torch.randint(1, topk, (b,), dtype=torch.int32)
+        if b >= 3:
             topk_length[torch.randint(0, b, (1,))] = topk
     if zero_length_req is not None:
         assert topk_length is not None

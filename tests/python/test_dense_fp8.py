@@ -78,3 +78,19 @@ def test_dense_fp8_metadata_op():
     assert tsm.dtype == torch.int32 and tsm.dim() == 2 and tsm.shape[1] == 8 and tsm.shape[0] >= 1
     assert ns.dtype == torch.int32 and tuple(ns.shape) == (4,)
     assert ns[0] == 0 and bool((ns[1:] >= ns[:-1]).all())
+
+
+def test_lazy_sched_meta_path_matches_legacy():
+    """mla-kernels also routes an FP8 query through a FlashMLASchedMeta (planned once, reused)."""
+    paged = R.make_dense_paged([60, 7, 130], 16, 1, 576, FP8)
+    dq, dk = torch.tensor([0.05, 0.03, 0.04]), torch.tensor([0.02, 0.03, 0.05])
+    meta, _ = flash_mla.get_mla_metadata()
+    for _ in range(2):
+        q8 = (R.rand((3, 2, 16, 576), torch.float32) * 20).to(FP8)
+        out, lse = flash_mla.flash_mla_with_kvcache(q8, paged.k_cache, paged.block_table, paged.cache_seqlens, 512,
+                                                    meta, softmax_scale=1.0, causal=True, descale_q=dq, descale_k=dk)
+        legacy = run_fp8(q8, paged, dq, dk, True, 1.0)
+        ref_out, ref_lse = R.ref_dense_decode(q8, paged.seqs, 1.0, True, q_scale=dq, k_scale=dk)
+        R.check_is_allclose("out", out, ref_out, **R.DENSE_OUT_TOL)
+        R.check_is_allclose("lse", lse, ref_lse, **R.DENSE_LSE_TOL)
+        assert torch.equal(out, legacy[0]) and torch.equal(lse, legacy[1])

@@ -13,8 +13,29 @@ import torch
 import mla_kernels.flash_mla as flash_mla
 import reference as R
 
-ops = torch.ops.mla_kernels
 ERRORS = (RuntimeError, ValueError, AssertionError)
+
+
+def raises_named(pattern):
+    """Context manager: like pytest.raises(ERRORS, match=pattern); in addition, op-level
+    (RuntimeError) messages must say what was given ("got ..." or the offending value)."""
+    return _Raises(pattern)
+
+
+class _Raises:
+    def __init__(self, pattern):
+        self.cm = pytest.raises(ERRORS, match=pattern)
+
+    def __enter__(self):
+        self.info = self.cm.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        suppressed = self.cm.__exit__(*exc)
+        if suppressed and self.info.type is RuntimeError:
+            msg = str(self.info.value)
+            assert re.search(r"\bgot\b|\(-?\d+\)", msg), f"message does not say what was given: {msg!r}"
+        return suppressed
 
 
 def _ids(cases):
@@ -40,7 +61,6 @@ def call_dense(a, path="lazy", **kw):
         meta, _ = flash_mla.get_mla_metadata()
         return flash_mla.flash_mla_with_kvcache(a["q"], a["k_cache"], a["block_table"], a["cache_seqlens"],
                                                 a["head_dim_v"], meta, **kw)
-    h_k = a["k_cache"].shape[2] if a["k_cache"].dim() == 4 else 1
     tsm, ns = flash_mla.get_mla_metadata(torch.tensor([20, 33], dtype=torch.int32), 16, 1)
     return flash_mla.flash_mla_with_kvcache(a["q"], a["k_cache"], a["block_table"], a["cache_seqlens"],
                                             a["head_dim_v"], tsm, ns, **kw)
@@ -132,10 +152,10 @@ def test_dense_errors(name, path):
         nq = (q.shape[1] * q.shape[2] // max(h_k, 1)) if q.dim() == 4 else 16
         # plan for a valid batch of the same size: the decode op itself must catch the problem
         tsm, ns = flash_mla.get_mla_metadata(torch.tensor([20, 33], dtype=torch.int32), nq, h_k)
-        with pytest.raises(ERRORS, match=pattern):
+        with raises_named(pattern):
             flash_mla.flash_mla_with_kvcache(q, a["k_cache"], a["block_table"], seqlens, a["head_dim_v"], tsm, ns)
     else:
-        with pytest.raises(ERRORS, match=pattern):
+        with raises_named(pattern):
             call_dense(a, "lazy")
 
 
@@ -171,7 +191,7 @@ def test_dense_block_table_entry_out_of_range(path):
         bt = torch.tensor([[1, 2147480000]], dtype=torch.int32)
         sl = torch.tensor([30], dtype=torch.int32)
     """)
-    assert re.search(names("block_table", "range|num_blocks|invalid|out of|< ?\\d|>="), msg), msg
+    assert re.search(names("block_table", "range|num_blocks|invalid|out of|outside|< ?\\d|>="), msg), msg
 
 
 @pytest.mark.parametrize("path", ["lazy", "legacy"])
@@ -184,7 +204,7 @@ def test_dense_cache_seqlens_beyond_block_table(path):
         bt = torch.tensor([[1, 2], [3, 4]], dtype=torch.int32)
         sl = torch.tensor([20, 33], dtype=torch.int32)
     """)
-    assert re.search(names("cache_seqlens|seqlens_k|block_table", "exceed|capacity|too|larger|at most|<=|max|beyond"),
+    assert re.search(names("cache_seqlens|seqlens_k|block_table", "exceed|capacity|too|larger|at most|<=|max|beyond|needs|columns"),
                      msg), msg
 
 
@@ -356,7 +376,7 @@ def test_sparse_decode_errors(name):
     key, mutate, pattern = SPARSE_ERRORS[name]
     a = sparse_base()
     a[key] = mutate(a)
-    with pytest.raises(ERRORS, match=pattern):
+    with raises_named(pattern):
         call_sparse(a)
 
 
@@ -423,7 +443,7 @@ def test_sparse_prefill_errors(name):
         a["kv"] = R.rand((50, 1, 256))
     else:
         a[key] = mutate(a)
-    with pytest.raises(ERRORS, match=pattern):
+    with raises_named(pattern):
         call_prefill(a)
 
 

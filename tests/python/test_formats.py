@@ -103,3 +103,22 @@ def test_v32_scales_are_float32_powers_of_two():
     assert torch.equal(torch.exp2(torch.log2(scales).round()), scales)
     tiles = kv[0, :, 0, :512].float().unflatten(-1, (4, 128)).abs().amax(-1)
     assert (scales >= tiles / 448).all() and (scales < 2 * tiles / 448).all()
+
+
+@pytest.mark.parametrize("fmt_name", ["v32", "model1"])
+def test_quantize_accepts_strided_input(fmt_name):
+    fmt = R.FORMATS[fmt_name]
+    kv = _kv_with_edge_cases(fmt, 2, 16)
+    a = flash_mla.quantize_kv_fp8(kv, fmt_name)
+    b = flash_mla.quantize_kv_fp8(R.non_contiguous(kv), fmt_name)
+    m = _mask_pad_bytes(fmt, 16)
+    assert torch.equal(_block_bytes(a, fmt)[:, m], _block_bytes(b, fmt)[:, m])
+
+
+@pytest.mark.parametrize("fmt_name", ["v32", "model1"])
+def test_dequantize_accepts_int8_and_fp8_views(fmt_name):
+    fmt = R.FORMATS[fmt_name]
+    kv8 = R.quantize_ref(_kv_with_edge_cases(fmt, 2, 16), fmt)
+    ref = flash_mla.dequantize_kv_fp8(kv8, fmt_name)
+    for dt in (torch.int8, torch.float8_e4m3fn):
+        assert torch.equal(flash_mla.dequantize_kv_fp8(kv8.view(dt), fmt_name), ref)

@@ -137,3 +137,13 @@ def test_deterministic():
     b = run_prefill(case, 1.0, sink)
     for x, y in zip(a, b):
         assert torch.equal(x, y)
+
+
+def test_large_logits_and_sinks():
+    """Scores and sinks in the hundreds: exp overflows unless the max is subtracted."""
+    case = R.make_prefill_case(32, 300, 128, 576, 256, with_topk_length=True, lonely_rows=(5,))
+    case.q = case.q * 30
+    sink = R.make_sink(128, "finite") * 50 + 50
+    for base in (2, "e"):
+        out, m, l = check_prefill(case, 3.0, sink, base)
+    assert l[torch.isfinite(l)].max() > 50
