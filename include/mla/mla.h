@@ -17,4 +17,13 @@ cudaError_t plan_decode(const DecodePlanParams& params, cudaStream_t stream);
 // with programmatic dependent launch when `pdl` is set (sm90+), so it overlaps the attention tail.
 cudaError_t combine(const CombineParams& params, cudaStream_t stream, bool pdl = false);
 
+// Decode attention, then the split combine, on `stream`. params.split must hold a plan for these
+// lengths (plan_decode) and a workspace of decode_workspace_bytes(); pointers are device pointers.
+// Alignment: q, caches and their strides at 16 bytes.
+cudaError_t dense_decode(const DenseDecodeParams& params, cudaStream_t stream);
+cudaError_t sparse_decode(const SparseDecodeParams& params, cudaStream_t stream);
+
+// Sparse prefill on `stream` (no split).
+cudaError_t sparse_prefill(const SparsePrefillParams& params, cudaStream_t stream);
+
 }  // namespace mla::cuda

@@ -3,9 +3,10 @@
 #pragma once
 
 #include <cstdint>
-#include <sstream>
+#include <cstdio>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 namespace mla {
 
@@ -54,11 +55,48 @@ class Error : public std::invalid_argument {
 };
 
 namespace detail {
+// Error messages are assembled without iostreams: numbers go through std::to_string / snprintf.
+// (An extension built with one libstdc++ and run with another can crash formatting numbers
+// through std::ostream; seen with GCC 13 headers on a GCC 14 runtime.) Text<T>::append writes a
+// T; front-ends specialise it for their own types.
+template <typename T, typename Enable = void>
+struct Text;
+template <>
+struct Text<std::string> {
+  static void append(std::string& s, const std::string& v) { s += v; }
+};
+template <>
+struct Text<const char*> {
+  static void append(std::string& s, const char* v) { s += v; }
+};
+template <>
+struct Text<char*> : Text<const char*> {};
+template <>
+struct Text<char> {
+  static void append(std::string& s, char v) { s += v; }
+};
+template <>
+struct Text<bool> {
+  static void append(std::string& s, bool v) { s += v ? "true" : "false"; }
+};
+template <typename T>
+struct Text<T, std::enable_if_t<std::is_integral_v<T> && !std::is_same_v<T, bool> && !std::is_same_v<T, char>>> {
+  static void append(std::string& s, T v) { s += std::to_string(v); }
+};
+template <typename T>
+struct Text<T, std::enable_if_t<std::is_floating_point_v<T>>> {
+  static void append(std::string& s, T v) {
+    char buf[32];
+    std::snprintf(buf, sizeof(buf), "%g", double(v));
+    s += buf;
+  }
+};
+
 template <typename... Args>
 std::string concat(const Args&... args) {
-  std::ostringstream os;
-  (os << ... << args);
-  return os.str();
+  std::string s;
+  (Text<std::decay_t<Args>>::append(s, args), ...);
+  return s;
 }
 }  // namespace detail
 

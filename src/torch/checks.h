@@ -11,6 +11,41 @@
 
 #include "mla/types.h"
 
+namespace mla::detail {
+// Torch types in error messages, formatted without iostreams (see mla/types.h).
+template <>
+struct Text<c10::IntArrayRef> {
+  static void append(std::string& s, c10::IntArrayRef v) {
+    s += '[';
+    for (size_t i = 0; i < v.size(); ++i) {
+      if (i) s += ", ";
+      s += std::to_string(v[i]);
+    }
+    s += ']';
+  }
+};
+template <>
+struct Text<at::ScalarType> {
+  static void append(std::string& s, at::ScalarType v) { s += c10::toString(v); }
+};
+template <>
+struct Text<c10::Device> {
+  static void append(std::string& s, c10::Device v) { s += v.str(); }
+};
+template <>
+struct Text<c10::string_view> {
+  static void append(std::string& s, c10::string_view v) { s.append(v.data(), v.size()); }
+};
+}  // namespace mla::detail
+
+// TORCH_CHECK with the message assembled by mla::detail::concat.
+#define MLA_TORCH_CHECK(cond, ...)                                   \
+  do {                                                               \
+    if (C10_UNLIKELY_OR_CONST(!(cond))) {                            \
+      TORCH_CHECK(false, ::mla::detail::concat(__VA_ARGS__));        \
+    }                                                                \
+  } while (0)
+
 namespace mla::torch_ops {
 
 using at::Tensor;
@@ -24,18 +59,18 @@ class ArgChecker {
 
   // Rank, dtype, device and a contiguous last dimension: what every tensor argument needs.
   void tensor(const Tensor& t, const char* name, int64_t dim, std::initializer_list<at::ScalarType> dtypes) const {
-    TORCH_CHECK(t.dim() == dim, op_, ": ", name, " must be a ", dim, "-D tensor, got ", t.dim(), "-D with shape ",
+    MLA_TORCH_CHECK(t.dim() == dim, op_, ": ", name, " must be a ", dim, "-D tensor, got ", t.dim(), "-D with shape ",
                 t.sizes());
     bool ok = false;
     for (auto d : dtypes) ok = ok || t.scalar_type() == d;
     if (!ok) {
       std::string want;
       for (auto d : dtypes) want += (want.empty() ? "" : " or ") + std::string(c10::toString(d));
-      TORCH_CHECK(false, op_, ": ", name, " must have dtype ", want, ", got ", t.scalar_type());
+      MLA_TORCH_CHECK(false, op_, ": ", name, " must have dtype ", want, ", got ", t.scalar_type());
     }
-    TORCH_CHECK(t.device() == device_, op_, ": ", name, " must be on ", device_, " (the device of q), got ",
+    MLA_TORCH_CHECK(t.device() == device_, op_, ": ", name, " must be on ", device_, " (the device of q), got ",
                 t.device());
-    TORCH_CHECK(t.dim() == 0 || t.size(-1) == 1 || t.stride(-1) == 1, op_, ": ", name,
+    MLA_TORCH_CHECK(t.dim() == 0 || t.size(-1) == 1 || t.stride(-1) == 1, op_, ": ", name,
                 " must have a contiguous last dimension, got strides ", t.strides());
   }
 
@@ -45,19 +80,30 @@ class ArgChecker {
   }
 
   void shape(const Tensor& t, const char* name, const std::vector<int64_t>& expected, const char* what) const {
-    TORCH_CHECK(t.sizes() == at::IntArrayRef(expected), op_, ": ", name, " must have shape ", what, " = ",
+    MLA_TORCH_CHECK(t.sizes() == at::IntArrayRef(expected), op_, ": ", name, " must have shape ", what, " = ",
                 at::IntArrayRef(expected), ", got ", t.sizes());
   }
 
   void contiguous(const Tensor& t, const char* name) const {
-    TORCH_CHECK(t.is_contiguous(), op_, ": ", name, " must be contiguous, got strides ", t.strides(), " for shape ",
+    MLA_TORCH_CHECK(t.is_contiguous(), op_, ": ", name, " must be contiguous, got strides ", t.strides(), " for shape ",
                 t.sizes());
+  }
+
+  // The CUDA kernels read a cache in `bytes`-sized pieces: its base address and the strides of its
+  // first `dims` dimensions must be multiples of that.
+  void cuda_alignment(const Tensor& t, const char* name, int bytes, int dims) const {
+    const int64_t elem = t.element_size();
+    bool ok = reinterpret_cast<uintptr_t>(t.data_ptr()) % bytes == 0;
+    for (int d = 0; d < dims; ++d) ok = ok && (t.size(d) <= 1 || (t.stride(d) * elem) % bytes == 0);
+    MLA_TORCH_CHECK(ok, op_, ": ", name, " must start at a ", bytes, "-byte aligned address and have strides of dims 0..",
+                    dims - 1, " that are multiples of ", bytes, " bytes on CUDA, got strides ", t.strides(), " (",
+                    elem, "-byte elements)");
   }
 
   // Strides handed to kernels are int32 on the GPU.
   void strides_fit_int32(const Tensor& t, const char* name) const {
     for (int64_t s : t.strides())
-      TORCH_CHECK(s <= INT32_MAX, op_, ": ", name, " has a stride ", s, " that exceeds the int32 range");
+      MLA_TORCH_CHECK(s <= INT32_MAX, op_, ": ", name, " has a stride ", s, " that exceeds the int32 range");
   }
 
  private:
@@ -71,7 +117,7 @@ void run_core(const char* op, Fn&& fn) {
   try {
     fn();
   } catch (const mla::Error& e) {
-    TORCH_CHECK(false, op, ": ", e.what());
+    MLA_TORCH_CHECK(false, op, ": ", e.what());
   }
 }
 

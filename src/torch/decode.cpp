@@ -1,5 +1,6 @@
 // Decode ops: metadata (planning), dense BF16/FP16/FP8 decode, sparse FP8 decode.
 #include "checks.h"
+#include "device.h"
 #include "mla/formats.h"
 #include "mla/plan.h"
 #include "mla/reference.h"
@@ -13,12 +14,6 @@ namespace {
 constexpr auto kInt32 = at::kInt;
 constexpr auto kFloat = at::kFloat;
 
-// SMs (or CPU virtual SMs) a plan for `device` spreads work over.
-int num_sms(c10::Device device) {
-  TORCH_CHECK(device.is_cpu(), "mla_kernels: ", device, " tensors have no kernel in this build");
-  return reference::kVirtualSms;
-}
-
 struct Plan {
   Tensor tile_scheduler_metadata;  // [num_sm_parts, 8]
   Tensor num_splits;               // [b + 1]
@@ -29,12 +24,12 @@ struct Plan {
 Plan take_plan(const ArgChecker& c, int b, int num_sm_parts, const OptTensor& tsm, const OptTensor& ns,
                c10::Device device) {
   Plan plan;
-  TORCH_CHECK(tsm.has_value() == ns.has_value(), c.op(),
+  MLA_TORCH_CHECK(tsm.has_value() == ns.has_value(), c.op(),
               ": tile_scheduler_metadata and num_splits must be given together (or both None to plan now)");
   if (tsm.has_value()) {
     c.tensor(*tsm, "tile_scheduler_metadata", 2, {kInt32});
     c.contiguous(*tsm, "tile_scheduler_metadata");
-    TORCH_CHECK(tsm->size(0) >= 1 && tsm->size(1) == kPlanRowInts, c.op(),
+    MLA_TORCH_CHECK(tsm->size(0) >= 1 && tsm->size(1) == kPlanRowInts, c.op(),
                 ": tile_scheduler_metadata must have shape [num_sm_parts, 8] with num_sm_parts >= 1, got ",
                 tsm->sizes());
     c.tensor(*ns, "num_splits", 1, {kInt32});
@@ -74,18 +69,25 @@ Workspace make_workspace(int b, int s_q, int h_q, const Plan& plan, c10::Device 
   return ws;
 }
 
-// Validates the params, plans when the call brought no plan, allocates the split workspace, runs.
-template <typename Params, typename Kernel>
-void plan_and_run(const char* op, Params& p, const Plan& plan, c10::Device device, Kernel&& kernel) {
-  run_core(op, [&] {
-    validate(p);
-    if (plan.fresh) {
-      DecodePlanParams pp = reference::plan_params(p);
-      fill_plan(pp, plan);
-      plan_decode_host(pp);
-    }
+// Validates the params, plans when the call brought no plan (on the device, no host sync),
+// allocates the split workspace and runs the op's kernel on q's device and current stream.
+template <typename Params, typename CpuKernel, typename CudaKernel>
+void plan_and_run(const char* op, Params& p, const Plan& plan, c10::Device device, CpuKernel&& cpu_kernel,
+                  CudaKernel&& cuda_kernel) {
+  run_core(op, [&] { validate(p); });
+  DecodePlanParams pp = reference::plan_params(p);
+  fill_plan(pp, plan);
+  if (device.is_cuda()) {
+    const DeviceContext ctx(op, device);
+    if (plan.fresh) ctx.check(cuda_plan_decode(pp, ctx.stream()), "the planner");
     Workspace ws = make_workspace(p.b, p.s_q, p.h_q, plan, device, p.split);
-    kernel(p);
+    ctx.check(cuda_kernel(p, ctx.stream()), "the attention kernel");
+    return;
+  }
+  run_core(op, [&] {
+    if (plan.fresh) plan_decode_host(pp);
+    Workspace ws = make_workspace(p.b, p.s_q, p.h_q, plan, device, p.split);
+    cpu_kernel(p);
   });
 }
 
@@ -127,7 +129,7 @@ DecodeResult dense_decode(const char* op, const DenseArgs& a, bool fp8) {
   } else {
     c.tensor(a.q, "q", 4, {at::kBFloat16, at::kHalf});
   }
-  TORCH_CHECK(a.kcache.scalar_type() == a.q.scalar_type(), op, ": kcache must have the dtype of q (",
+  MLA_TORCH_CHECK(a.kcache.scalar_type() == a.q.scalar_type(), op, ": kcache must have the dtype of q (",
               a.q.scalar_type(), "), got ", a.kcache.scalar_type());
   c.tensor(a.kcache, "kcache", 4, {a.q.scalar_type()});
   c.tensor(a.seqlens_k, "seqlens_k", 1, {kInt32});
@@ -136,10 +138,10 @@ DecodeResult dense_decode(const char* op, const DenseArgs& a, bool fp8) {
 
   const int b = int(a.q.size(0)), s_q = int(a.q.size(1)), h_q = int(a.q.size(2)), d_qk = int(a.q.size(3));
   const int h_k = int(a.kcache.size(2));
-  TORCH_CHECK(a.kcache.size(3) == d_qk, op, ": kcache head dim (dim 3) must equal q's (", d_qk, "), got ",
+  MLA_TORCH_CHECK(a.kcache.size(3) == d_qk, op, ": kcache head dim (dim 3) must equal q's (", d_qk, "), got ",
               a.kcache.size(3));
   c.shape(a.seqlens_k, "seqlens_k", {b}, "[b]");
-  TORCH_CHECK(a.block_table.size(0) == b, op, ": block_table must have b = ", b, " rows, got shape ",
+  MLA_TORCH_CHECK(a.block_table.size(0) == b, op, ": block_table must have b = ", b, " rows, got shape ",
               a.block_table.sizes());
   for (auto [t, name] : {std::pair{&a.q, "q"}, {&a.kcache, "kcache"}, {&a.block_table, "block_table"}})
     c.strides_fit_int32(*t, name);
@@ -152,10 +154,10 @@ DecodeResult dense_decode(const char* op, const DenseArgs& a, bool fp8) {
     for (auto [t, name] : {std::pair{&descale_q, "descale_q"}, {&descale_k, "descale_k"}}) {
       c.tensor(*t, name, 1, {kFloat});
       c.contiguous(*t, name);
-      TORCH_CHECK(t->size(0) == 1 || t->size(0) == b, op, ": ", name, " must have shape [1] or [b] = [", b,
+      MLA_TORCH_CHECK(t->size(0) == 1 || t->size(0) == b, op, ": ", name, " must have shape [1] or [b] = [", b,
                   "], got ", t->sizes());
     }
-    TORCH_CHECK(descale_q.size(0) == descale_k.size(0), op, ": descale_q and descale_k must have the same shape, got ",
+    MLA_TORCH_CHECK(descale_q.size(0) == descale_k.size(0), op, ": descale_q and descale_k must have the same shape, got ",
                 descale_q.sizes(), " and ", descale_k.sizes());
   }
 
@@ -188,18 +190,19 @@ DecodeResult dense_decode(const char* op, const DenseArgs& a, bool fp8) {
   }
   fill_output(p.o, out, lse.transpose(1, 2));
 
-  plan_and_run(op, p, plan, a.q.device(), [](const DenseDecodeParams& params) { reference::dense_decode(params); });
+  if (a.q.is_cuda()) c.cuda_alignment(a.kcache, "kcache", 16, 3);
+  plan_and_run(op, p, plan, a.q.device(), reference::dense_decode, cuda_dense_decode);
   if (plan.fresh) return {out, lse, plan.tile_scheduler_metadata, plan.num_splits};
   return {out, lse, std::nullopt, std::nullopt};
 }
 
 void check_sparse_cache(const ArgChecker& c, const Tensor& kv, const char* name, int bytes) {
   c.tensor(kv, name, 4, {at::kByte, at::kChar, at::kFloat8_e4m3fn});
-  TORCH_CHECK(kv.size(2) == 1, c.op(), ": ", name, " must have h_kv = 1 (dim 2; sparse decode is MQA), got ",
+  MLA_TORCH_CHECK(kv.size(2) == 1, c.op(), ": ", name, " must have h_kv = 1 (dim 2; sparse decode is MQA), got ",
               kv.size(2));
-  TORCH_CHECK(kv.size(3) == bytes, c.op(), ": ", name, " must have ", bytes,
+  MLA_TORCH_CHECK(kv.size(3) == bytes, c.op(), ": ", name, " must have ", bytes,
               " bytes per token (dim 3) for this head dim, got ", kv.size(3));
-  TORCH_CHECK(kv.size(1) <= 1 || kv.stride(1) == bytes, c.op(), ": ", name,
+  MLA_TORCH_CHECK(kv.size(1) <= 1 || kv.stride(1) == bytes, c.op(), ": ", name,
               " must store the tokens of a page block contiguously (stride(1) == ", bytes, "), got stride(1) = ",
               kv.stride(1));
 }
@@ -223,26 +226,26 @@ std::vector<Tensor> get_mla_decoding_metadata(const Tensor& seqlens_k, int64_t n
   c.tensor(seqlens_k, "seqlens_k", 1, {kInt32});
   c.contiguous(seqlens_k, "seqlens_k");
   const int b = int(seqlens_k.size(0));
-  TORCH_CHECK(b > 0, op, ": seqlens_k must have b > 0 entries, got ", b);
-  TORCH_CHECK(h_k > 0, op, ": h_k must be > 0, got ", h_k);
-  TORCH_CHECK(num_q_tokens_per_head_k > 0, op, ": num_q_tokens_per_head_k must be > 0, got ",
+  MLA_TORCH_CHECK(b > 0, op, ": seqlens_k must have b > 0 entries, got ", b);
+  MLA_TORCH_CHECK(h_k > 0, op, ": h_k must be > 0, got ", h_k);
+  MLA_TORCH_CHECK(num_q_tokens_per_head_k > 0, op, ": num_q_tokens_per_head_k must be > 0, got ",
               num_q_tokens_per_head_k);
   const Tensor seqlens = seqlens_k;
   DecodePlanParams pp;
   pp.b = b;
   if (topk.has_value()) {
-    TORCH_CHECK(h_q.has_value(), op, ": num_heads_q (h_q) is required when topk is given");
-    TORCH_CHECK(is_fp8_kvcache, op, ": sparse decode (topk given) needs is_fp8_kvcache=True");
-    TORCH_CHECK(*topk > 0, op, ": topk must be > 0, got ", *topk);
-    TORCH_CHECK(*h_q > 0 && *h_q <= kMaxHeadsQ, op, ": num_heads_q must be in [1, ", kMaxHeadsQ, "], got ", *h_q);
-    TORCH_CHECK(h_k == 1, op, ": sparse decode needs h_k = 1, got ", h_k);
-    TORCH_CHECK(num_q_tokens_per_head_k % *h_q == 0, op, ": num_q_tokens_per_head_k (", num_q_tokens_per_head_k,
+    MLA_TORCH_CHECK(h_q.has_value(), op, ": num_heads_q (h_q) is required when topk is given");
+    MLA_TORCH_CHECK(is_fp8_kvcache, op, ": sparse decode (topk given) needs is_fp8_kvcache=True");
+    MLA_TORCH_CHECK(*topk > 0, op, ": topk must be > 0, got ", *topk);
+    MLA_TORCH_CHECK(*h_q > 0 && *h_q <= kMaxHeadsQ, op, ": num_heads_q must be in [1, ", kMaxHeadsQ, "], got ", *h_q);
+    MLA_TORCH_CHECK(h_k == 1, op, ": sparse decode needs h_k = 1, got ", h_k);
+    MLA_TORCH_CHECK(num_q_tokens_per_head_k % *h_q == 0, op, ": num_q_tokens_per_head_k (", num_q_tokens_per_head_k,
                 ") must be s_q * num_heads_q (num_heads_q = ", *h_q, ")");
     const int s_q = int(num_q_tokens_per_head_k / *h_q);
     pp.num_sm_parts = num_sm_parts_sparse(num_sms(seqlens.device()), s_q, int(*h_q));
     pp.topk = int(*topk);  // every request attends topk slots: the legacy plan ignores seqlens
   } else {
-    TORCH_CHECK(!is_fp8_kvcache, op,
+    MLA_TORCH_CHECK(!is_fp8_kvcache, op,
                 ": dense FP8 decode plans with get_mla_decoding_metadata_dense_fp8 (is_fp8_kvcache=True needs topk)");
     pp.num_sm_parts = std::max<int>(num_sms(seqlens.device()) / int(h_k) / ceil_div(int(num_q_tokens_per_head_k), 64), 1);
     pp.seqlens_k = seqlens.data_ptr<int32_t>();
@@ -252,7 +255,12 @@ std::vector<Tensor> get_mla_decoding_metadata(const Tensor& seqlens_k, int64_t n
   Tensor ns = at::empty({b + 1}, opts);
   pp.tile_scheduler_metadata = tsm.data_ptr<int32_t>();
   pp.num_splits = ns.data_ptr<int32_t>();
-  run_core(op, [&] { plan_decode_host(pp); });
+  if (seqlens.is_cuda()) {
+    const DeviceContext ctx(op, seqlens.device());
+    ctx.check(cuda_plan_decode(pp, ctx.stream()), "the planner");
+  } else {
+    run_core(op, [&] { plan_decode_host(pp); });
+  }
   return {tsm, ns};
 }
 
@@ -292,13 +300,13 @@ DecodeResult sparse_decode_fwd(const Tensor& q, const Tensor& kv, const Tensor& 
   ArgChecker c(op, q.device());
   c.tensor(q, "q", 4, {at::kBFloat16});
   const int b = int(q.size(0)), s_q = int(q.size(1)), h_q = int(q.size(2)), d_qk = int(q.size(3));
-  TORCH_CHECK(d_qk == kHeadDimV32 || d_qk == kHeadDimModel1, op,
+  MLA_TORCH_CHECK(d_qk == kHeadDimV32 || d_qk == kHeadDimModel1, op,
               ": q head dim (dim 3) must be 576 (V3.2 cache) or 512 (MODEL1 cache), got ", d_qk);
   const KvFormat format = d_qk == kHeadDimV32 ? KvFormat::kV32 : KvFormat::kModel1;
   const int bytes = bytes_per_token(format);
   check_sparse_cache(c, kv, "kv", bytes);
   c.tensor(indices, "indices", 3, {kInt32});
-  TORCH_CHECK(indices.size(0) == b && indices.size(1) == s_q, op, ": indices must have shape [b, s_q, topk] = [", b,
+  MLA_TORCH_CHECK(indices.size(0) == b && indices.size(1) == s_q, op, ": indices must have shape [b, s_q, topk] = [", b,
               ", ", s_q, ", topk], got ", indices.sizes());
   c.opt_tensor(topk_length, "topk_length", 1, {kInt32});
   if (topk_length) {
@@ -310,14 +318,14 @@ DecodeResult sparse_decode_fwd(const Tensor& q, const Tensor& kv, const Tensor& 
     c.contiguous(*attn_sink, "attn_sink");
     c.shape(*attn_sink, "attn_sink", {h_q}, "[h_q]");
   }
-  TORCH_CHECK(extra_kv.has_value() == extra_indices.has_value(), op,
+  MLA_TORCH_CHECK(extra_kv.has_value() == extra_indices.has_value(), op,
               ": extra_kv and extra_indices must be given together, got ", extra_kv ? "extra_kv" : "extra_indices",
               " alone");
-  TORCH_CHECK(!extra_topk_length || extra_kv, op, ": extra_topk_length needs extra_kv and extra_indices");
+  MLA_TORCH_CHECK(!extra_topk_length || extra_kv, op, ": extra_topk_length needs extra_kv and extra_indices");
   if (extra_kv) {
     check_sparse_cache(c, *extra_kv, "extra_kv", bytes);
     c.tensor(*extra_indices, "extra_indices", 3, {kInt32});
-    TORCH_CHECK(extra_indices->size(0) == b && extra_indices->size(1) == s_q, op,
+    MLA_TORCH_CHECK(extra_indices->size(0) == b && extra_indices->size(1) == s_q, op,
                 ": extra_indices must have shape [b, s_q, extra_topk] = [", b, ", ", s_q, ", extra_topk], got ",
                 extra_indices->sizes());
     c.opt_tensor(extra_topk_length, "extra_topk_length", 1, {kInt32});
@@ -353,7 +361,13 @@ DecodeResult sparse_decode_fwd(const Tensor& q, const Tensor& kv, const Tensor& 
   p.attn_sink = attn_sink ? attn_sink->data_ptr<float>() : nullptr;
   fill_output(p.o, out, lse);
 
-  plan_and_run(op, p, plan, q.device(), [](const SparseDecodeParams& params) { reference::sparse_decode(params); });
+  if (q.is_cuda()) {
+    // V3.2 token records are read in 16-byte pieces; MODEL1's (block-interleaved) in 8-byte pieces.
+    const int align = format == KvFormat::kV32 ? 16 : 8;
+    c.cuda_alignment(kv, "kv", align, 1);
+    if (extra_kv) c.cuda_alignment(*extra_kv, "extra_kv", align, 1);
+  }
+  plan_and_run(op, p, plan, q.device(), reference::sparse_decode, cuda_sparse_decode);
   if (plan.fresh) return {out, lse.transpose(1, 2), plan.tile_scheduler_metadata, plan.num_splits};
   return {out, lse.transpose(1, 2), std::nullopt, std::nullopt};
 }
@@ -366,17 +380,17 @@ std::vector<Tensor> fwd_kvcache_mla(const Tensor& q, const Tensor& kv_cache, int
                                     const OptTensor& topk_length, const OptTensor& extra_topk_length) {
   const char* op = "fwd_kvcache_mla";
   if (indices.has_value()) {
-    TORCH_CHECK(is_fp8, op, ": sparse decode (indices given) needs an FP8 cache and is_fp8=True");
-    TORCH_CHECK(!is_causal, op, ": sparse decode (indices given) does not take is_causal=True");
+    MLA_TORCH_CHECK(is_fp8, op, ": sparse decode (indices given) needs an FP8 cache and is_fp8=True");
+    MLA_TORCH_CHECK(!is_causal, op, ": sparse decode (indices given) does not take is_causal=True");
     auto r = sparse_decode_fwd(q, kv_cache, *indices, topk_length, attn_sink, tile_scheduler_metadata, num_splits,
                                extra_k_cache, extra_indices_in_kvcache, extra_topk_length, head_size_v, softmax_scale);
     return {std::get<0>(r), std::get<1>(r)};
   }
-  TORCH_CHECK(!is_fp8, op, ": dense FP8 decode is exposed via fwd_kvcache_mla_fp8");
+  MLA_TORCH_CHECK(!is_fp8, op, ": dense FP8 decode is exposed via fwd_kvcache_mla_fp8");
   for (auto [t, name] : {std::pair{&attn_sink, "attn_sink"}, {&extra_k_cache, "extra_k_cache"},
                          {&extra_indices_in_kvcache, "extra_indices_in_kvcache"}, {&topk_length, "topk_length"},
                          {&extra_topk_length, "extra_topk_length"}})
-    TORCH_CHECK(!t->has_value(), op, ": ", name, " is only for sparse decode (indices given); got it without indices");
+    MLA_TORCH_CHECK(!t->has_value(), op, ": ", name, " is only for sparse decode (indices given); got it without indices");
   auto r = dense_decode(op,
                         {q, kv_cache, head_size_v, seqlens_k, block_table, softmax_scale, is_causal,
                          tile_scheduler_metadata, num_splits, std::nullopt, std::nullopt},

@@ -48,3 +48,17 @@ TORCH_LIBRARY_IMPL(mla_kernels, CPU, m) {
   m.impl("quantize_kv_fp8", &quantize_kv_fp8);
   m.impl("dequantize_kv_fp8", &dequantize_kv_fp8);
 }
+
+#if defined(MLA_KERNELS_WITH_CUDA)
+// The op functions are device-generic: they run on q's device and its current stream.
+TORCH_LIBRARY_IMPL(mla_kernels, CUDA, m) {
+  using namespace mla::torch_ops;
+  m.impl("get_mla_decoding_metadata", &get_mla_decoding_metadata);
+  m.impl("get_mla_decoding_metadata_dense_fp8", &get_mla_decoding_metadata_dense_fp8);
+  m.impl("fwd_kvcache_mla", &fwd_kvcache_mla);
+  m.impl("fwd_kvcache_mla_fp8", &fwd_kvcache_mla_fp8);
+  m.impl("dense_decode_fwd", &dense_decode_fwd);
+  m.impl("sparse_decode_fwd", &sparse_decode_fwd);
+  m.impl("sparse_prefill_fwd", &sparse_prefill_fwd);
+}
+#endif

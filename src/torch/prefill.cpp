@@ -1,7 +1,9 @@
 // Sparse prefill and the FP8 cache format helpers.
 #include "checks.h"
+#include "device.h"
 #include "mla/formats.h"
 #include "mla/reference.h"
+#include "mla/validate.h"
 #include "ops.h"
 
 namespace mla::torch_ops {
@@ -10,14 +12,13 @@ std::vector<Tensor> sparse_prefill_fwd(const Tensor& q, const Tensor& kv, const 
                                        int64_t d_v, const OptTensor& attn_sink, const OptTensor& topk_length) {
   const char* op = "sparse_prefill_fwd";
   ArgChecker c(op, q.device());
-  TORCH_CHECK(q.device().is_cpu(), op, ": ", q.device(), " tensors have no kernel in this build");
   c.tensor(q, "q", 3, {at::kBFloat16});
   c.tensor(kv, "kv", 3, {at::kBFloat16});
   c.tensor(indices, "indices", 3, {at::kInt});
   const int s_q = int(q.size(0)), h_q = int(q.size(1)), d_qk = int(q.size(2));
-  TORCH_CHECK(kv.size(1) == 1, op, ": kv must have h_kv = 1 (dim 1), got ", kv.size(1));
-  TORCH_CHECK(kv.size(2) == d_qk, op, ": kv head dim (dim 2) must equal q's (", d_qk, "), got ", kv.size(2));
-  TORCH_CHECK(indices.size(0) == s_q && indices.size(1) == 1, op, ": indices must have shape [s_q, h_kv, topk] = [",
+  MLA_TORCH_CHECK(kv.size(1) == 1, op, ": kv must have h_kv = 1 (dim 1), got ", kv.size(1));
+  MLA_TORCH_CHECK(kv.size(2) == d_qk, op, ": kv head dim (dim 2) must equal q's (", d_qk, "), got ", kv.size(2));
+  MLA_TORCH_CHECK(indices.size(0) == s_q && indices.size(1) == 1, op, ": indices must have shape [s_q, h_kv, topk] = [",
               s_q, ", 1, topk], got ", indices.sizes());
   c.opt_tensor(attn_sink, "attn_sink", 1, {at::kFloat});
   if (attn_sink) {
@@ -50,7 +51,14 @@ std::vector<Tensor> sparse_prefill_fwd(const Tensor& q, const Tensor& kv, const 
   p.out = static_cast<uint16_t*>(out.data_ptr());
   p.max_logits = max_logits.data_ptr<float>();
   p.lse = lse.data_ptr<float>();
-  run_core(op, [&] { reference::sparse_prefill(p); });
+  run_core(op, [&] { validate(p); });
+  if (q.is_cuda()) {
+    c.cuda_alignment(kv, "kv", 16, 1);
+    const DeviceContext ctx(op, q.device());
+    ctx.check(cuda_sparse_prefill(p, ctx.stream()), "the attention kernel");
+  } else {
+    run_core(op, [&] { reference::sparse_prefill(p); });
+  }
   return {out, max_logits, lse};
 }
 
@@ -59,7 +67,7 @@ namespace {
 KvFormat parse_format(const char* op, c10::string_view fmt) {
   if (fmt == "v32") return KvFormat::kV32;
   if (fmt == "model1") return KvFormat::kModel1;
-  TORCH_CHECK(false, op, ": fmt must be \"v32\" or \"model1\", got \"", std::string(fmt), "\"");
+  TORCH_CHECK(false, ::mla::detail::concat(op, ": fmt must be \"v32\" or \"model1\", got \"", std::string(fmt), "\""));
 }
 
 }  // namespace
@@ -68,10 +76,10 @@ Tensor quantize_kv_fp8(const Tensor& kv, c10::string_view fmt) {
   const char* op = "quantize_kv_fp8";
   const KvFormat f = parse_format(op, fmt);
   ArgChecker c(op, kv.device());
-  TORCH_CHECK(kv.device().is_cpu(), op, ": ", kv.device(), " tensors have no kernel in this build");
+  MLA_TORCH_CHECK(kv.device().is_cpu(), op, ": ", kv.device(), " tensors have no kernel in this build");
   c.tensor(kv, "kv", 4, {at::kBFloat16});
-  TORCH_CHECK(kv.size(2) == 1, op, ": kv must have h_k = 1 (dim 2), got ", kv.size(2));
-  TORCH_CHECK(kv.size(3) == head_dim_qk(f), op, ": kv head dim (dim 3) must be ", head_dim_qk(f), " for fmt \"",
+  MLA_TORCH_CHECK(kv.size(2) == 1, op, ": kv must have h_k = 1 (dim 2), got ", kv.size(2));
+  MLA_TORCH_CHECK(kv.size(3) == head_dim_qk(f), op, ": kv head dim (dim 3) must be ", head_dim_qk(f), " for fmt \"",
               std::string(fmt), "\", got ", kv.size(3));
   const Tensor src = kv.contiguous();
   const int64_t num_blocks = src.size(0), page = src.size(1), bytes = bytes_per_token(f);
@@ -89,13 +97,13 @@ Tensor dequantize_kv_fp8(const Tensor& kv, c10::string_view fmt) {
   const char* op = "dequantize_kv_fp8";
   const KvFormat f = parse_format(op, fmt);
   ArgChecker c(op, kv.device());
-  TORCH_CHECK(kv.device().is_cpu(), op, ": ", kv.device(), " tensors have no kernel in this build");
+  MLA_TORCH_CHECK(kv.device().is_cpu(), op, ": ", kv.device(), " tensors have no kernel in this build");
   c.tensor(kv, "kv", 4, {at::kByte, at::kChar, at::kFloat8_e4m3fn});
   const int bytes = bytes_per_token(f);
-  TORCH_CHECK(kv.size(2) == 1, op, ": kv must have h_k = 1 (dim 2), got ", kv.size(2));
-  TORCH_CHECK(kv.size(3) == bytes, op, ": kv must have ", bytes, " bytes per token (dim 3) for fmt \"",
+  MLA_TORCH_CHECK(kv.size(2) == 1, op, ": kv must have h_k = 1 (dim 2), got ", kv.size(2));
+  MLA_TORCH_CHECK(kv.size(3) == bytes, op, ": kv must have ", bytes, " bytes per token (dim 3) for fmt \"",
               std::string(fmt), "\", got ", kv.size(3));
-  TORCH_CHECK(kv.size(1) <= 1 || kv.stride(1) == bytes, op,
+  MLA_TORCH_CHECK(kv.size(1) <= 1 || kv.stride(1) == bytes, op,
               ": kv must store the tokens of a page block contiguously (stride(1) == ", bytes, "), got ",
               kv.stride(1));
   const int64_t num_blocks = kv.size(0), page = kv.size(1), d = head_dim_qk(f);

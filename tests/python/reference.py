@@ -52,8 +52,8 @@ def check_is_allclose(name: str, ans: torch.Tensor, ref: torch.Tensor, abs_tol: 
     pass abs_err < abs_tol or rel_err < rel_tol; and the cosine difference must be <= cos_diff_tol.
     """
     assert tuple(ans.shape) == tuple(ref.shape), f"{name}: shape {tuple(ans.shape)} != reference {tuple(ref.shape)}"
-    a = ans.detach().to(torch.float64).clone()
-    r = ref.detach().to(torch.float64).clone()
+    a = ans.detach().cpu().to(torch.float64).clone()
+    r = ref.detach().cpu().to(torch.float64).clone()
     for label, fn in (("+inf", lambda t: torch.isposinf(t)), ("-inf", lambda t: torch.isneginf(t)),
                       ("nan", lambda t: torch.isnan(t))):
         ma, mr = fn(a), fn(r)
@@ -110,6 +110,37 @@ def non_contiguous(t: torch.Tensor, pad_last: int = 16) -> torch.Tensor:
     view.copy_(t)
     assert view.stride(-1) == 1 and not view.is_contiguous()
     return view
+
+
+# ------------------------------------------------------------------------------------------------
+# Devices: inputs are built on the CPU (where the reference runs) and moved for the library
+# ------------------------------------------------------------------------------------------------
+
+def to_device(t: Optional[torch.Tensor], device) -> Optional[torch.Tensor]:
+    """`t` on `device` ("cpu" or "cuda") with the same sizes, strides and storage offset, and the
+    same bytes in the gaps between its elements (the NaN / 0xFF padding of `non_contiguous` views
+    and padded cache blocks), so a strided input stays strided and its poison travels with it.
+    Returns `t` itself when it is already on that kind of device; None stays None."""
+    if t is None or t.device.type == torch.device(device).type:
+        return t
+    if t.numel() == 0 or (t.is_contiguous() and t.storage_offset() == 0):
+        return t.to(device)
+    span = t.storage_offset() + 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    flat = t.as_strided((span,), (1,), 0).to(device)
+    moved = flat.as_strided(tuple(t.shape), tuple(t.stride()), t.storage_offset())
+    assert moved.stride() == t.stride() and moved.storage_offset() == t.storage_offset()
+    return moved
+
+
+def to_cpu(t: Optional[torch.Tensor], device) -> Optional[torch.Tensor]:
+    """A result of the library: checks that it is on `device`, returns it on the CPU with the same
+    strides (so layout assertions made on the copy hold for the original). None stays None."""
+    if t is None:
+        return None
+    assert t.device.type == torch.device(device).type, f"result is on {t.device}, expected {device} (the device of q)"
+    c = t.cpu()
+    assert c.stride() == t.stride(), f"result strides {t.stride()} on {t.device} (not dense) became {c.stride()} on cpu"
+    return c
 
 
 # ------------------------------------------------------------------------------------------------

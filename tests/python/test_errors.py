@@ -1,6 +1,9 @@
 """Every violated precondition raises a Python exception (RuntimeError from TORCH_CHECK, or
 AssertionError / ValueError from Python) whose message names the offending argument and says what
-was wrong (SPEC section 7). Wrong device cannot be tested on a CPU-only machine."""
+was wrong (SPEC section 7). The data-dependent checks (negative lengths, block-table entries out of
+range, ...) are CPU-only: the CUDA ops cannot see device data without a host sync. Arguments on
+another device than q, and CUDA's 16-byte alignment of the caches, are tested at the end (marked
+`cuda`, skipped without a GPU)."""
 
 import re
 import subprocess
@@ -476,3 +479,146 @@ def test_format_helper_errors(name, pattern):
             flash_mla.quantize_kv_fp8(R.rand((1, 4, 2, 576)), "v32")
         elif name == "dequant_wrong_bytes":
             flash_mla.dequantize_kv_fp8(torch.zeros(1, 4, 1, 656, dtype=torch.uint8), "model1")
+
+
+# ----------------------------------------------------------------------------- CUDA only
+
+def _cuda(a):
+    return {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in a.items()}
+
+
+def _dense_cuda_plan(a, fp8=False):
+    return flash_mla.get_mla_metadata(a["cache_seqlens"], 16, 1, is_fp8_kvcache=fp8)
+
+
+def _fp8_cuda_base():
+    p = R.make_dense_paged([20, 33], 16, 1, 576, torch.float8_e4m3fn)
+    q8 = (R.rand((2, 1, 16, 576), torch.float32) * 20).to(torch.float8_e4m3fn)
+    return _cuda(dict(q=q8, k_cache=p.k_cache, block_table=p.block_table, cache_seqlens=p.cache_seqlens,
+                      descale_q=torch.tensor([0.05]), descale_k=torch.tensor([0.03])))
+
+
+def _call_fp8(a, tsm, ns):
+    return flash_mla.flash_mla_with_kvcache(a["q"], a["k_cache"], a["block_table"], a["cache_seqlens"], 512, tsm, ns,
+                                            descale_q=a["descale_q"], descale_k=a["descale_k"])
+
+
+@pytest.mark.cuda
+def test_cuda_baselines_are_valid():
+    """Everything on the GPU: no error (so the failures below come from the one argument moved)."""
+    for path in ("lazy", "legacy"):
+        a = _cuda(dense_base())
+        if path == "lazy":
+            out, lse = call_dense(a, "lazy")
+        else:
+            tsm, ns = _dense_cuda_plan(a)
+            out, lse = flash_mla.flash_mla_with_kvcache(a["q"], a["k_cache"], a["block_table"], a["cache_seqlens"],
+                                                        512, tsm, ns)
+        assert out.is_cuda and torch.isfinite(lse).all()
+    a = _fp8_cuda_base()
+    assert _call_fp8(a, *_dense_cuda_plan(a, fp8=True))[0].is_cuda
+    for fmt in ("model1", "v32"):
+        assert call_sparse(_cuda(sparse_base(fmt)))[0].is_cuda
+    assert call_prefill(_cuda(prefill_base()))[0].is_cuda
+
+
+ON_DEVICE_OF_Q = r"must be on\b.*\bdevice of q"
+
+# name: (call, argument left on the CPU, accepted spellings of its name in the message)
+DEVICE_MISMATCH = {
+    "dense_k_cache": ("dense", "k_cache", "k_cache|kcache|kv_cache"),
+    "dense_block_table": ("dense", "block_table", "block_table"),
+    "dense_cache_seqlens": ("dense", "cache_seqlens", "cache_seqlens|seqlens_k"),
+    "legacy_tile_scheduler_metadata": ("legacy", "tile_scheduler_metadata", "tile_scheduler_metadata"),
+    "legacy_num_splits": ("legacy", "num_splits", "num_splits"),
+    "fp8_descale_q": ("fp8", "descale_q", "descale_q"),
+    "fp8_descale_k": ("fp8", "descale_k", "descale_k"),
+    "sparse_kv": ("sparse", "kv", "kv|k_cache|kv_cache"),
+    "sparse_indices": ("sparse", "indices", "indices"),
+    "sparse_topk_length": ("sparse", "topk_length", "topk_length"),
+    "sparse_attn_sink": ("sparse", "attn_sink", "attn_sink"),
+    "sparse_extra_kv": ("sparse", "extra_kv", "extra_kv|extra_k_cache"),
+    "sparse_extra_indices": ("sparse", "extra_indices", "extra_indices|extra_indices_in_kvcache"),
+    "sparse_extra_topk_length": ("sparse", "extra_topk_length", "extra_topk_length"),
+    "prefill_kv": ("prefill", "kv", "kv"),
+    "prefill_indices": ("prefill", "indices", "indices"),
+    "prefill_attn_sink": ("prefill", "attn_sink", "attn_sink"),
+    "prefill_topk_length": ("prefill", "topk_length", "topk_length"),
+}
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", list(DEVICE_MISMATCH))
+def test_argument_not_on_device_of_q(name):
+    """q on CUDA, one argument on the CPU: a RuntimeError naming that argument and saying it must be
+    on the device of q (never a crash or an illegal memory access)."""
+    call, key, arg = DEVICE_MISMATCH[name]
+    with raises_named(names(arg, ON_DEVICE_OF_Q)) as raised:
+        if call == "dense":
+            a = _cuda(dense_base())
+            a[key] = a[key].cpu()
+            call_dense(a, "lazy")
+        elif call == "legacy":
+            a = _cuda(dense_base())
+            plan = dict(zip(("tile_scheduler_metadata", "num_splits"), _dense_cuda_plan(a)))
+            plan[key] = plan[key].cpu()
+            flash_mla.flash_mla_with_kvcache(a["q"], a["k_cache"], a["block_table"], a["cache_seqlens"], 512,
+                                             plan["tile_scheduler_metadata"], plan["num_splits"])
+        elif call == "fp8":
+            a = _fp8_cuda_base()
+            tsm, ns = _dense_cuda_plan(a, fp8=True)
+            a[key] = a[key].cpu()
+            _call_fp8(a, tsm, ns)
+        elif call == "sparse":
+            a = _cuda(sparse_base())
+            a[key] = a[key].cpu()
+            call_sparse(a)
+        else:
+            a = _cuda(prefill_base())
+            a[key] = a[key].cpu()
+            call_prefill(a)
+    assert raised.info.type is RuntimeError, f"{raised.info.type.__name__}: {raised.info.value}"
+
+
+def _misaligned_blocks(t):
+    """Same values, but stride(0) = (elements of one block) + 1, so the blocks after the first no
+    longer start on a 16-byte boundary; the other strides are unchanged."""
+    nb, per = t.shape[0], t[0].numel()
+    big = torch.zeros((nb, per + 1), dtype=t.dtype, device=t.device)
+    big[:, :per].copy_(t.reshape(nb, per))
+    v = big[:, :per].view(t.shape)
+    assert v.stride()[1:] == t.contiguous().stride()[1:]
+    assert torch.equal(v.contiguous().view(torch.uint8), t.contiguous().view(torch.uint8))
+    assert (v.stride(0) * v.element_size()) % 16 != 0
+    return v
+
+
+# name: (call, cache argument, accepted spellings of its name in the message)
+MISALIGNED = {
+    "dense_kcache": ("dense", "k_cache", "k_cache|kcache|kv_cache"),
+    "sparse_kv": ("sparse", "kv", "kv|k_cache|kv_cache"),
+    "sparse_extra_kv": ("sparse", "extra_kv", "extra_kv|extra_k_cache"),
+    "prefill_kv": ("prefill", "kv", "kv"),
+}
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", list(MISALIGNED))
+def test_cuda_cache_not_16_byte_aligned(name):
+    """On CUDA a cache whose block stride is not a multiple of 16 bytes raises an error naming the
+    argument and the 16-byte alignment (the same layout is fine on the CPU). The sparse caches use
+    the V3.2 format: 656 bytes per token, so only stride(0) is off (stride(1) == bytes_per_token)."""
+    call, key, arg = MISALIGNED[name]
+    if call == "dense":
+        a, run = dense_base(), lambda a: call_dense(a, "lazy")
+    elif call == "sparse":
+        a, run = sparse_base("v32"), call_sparse
+    else:
+        a, run = prefill_base(), call_prefill
+    a[key] = _misaligned_blocks(a[key])
+    strides = a[key].stride()
+    run(a)  # CPU: any block stride
+    a = {k: R.to_device(v, "cuda") if isinstance(v, torch.Tensor) else v for k, v in a.items()}
+    assert a[key].is_cuda and a[key].stride() == strides
+    with raises_named(names(arg, r"16[- ]?bytes?\b.*align|align.*\b16[- ]?bytes?")):
+        run(a)

@@ -122,3 +122,23 @@ def test_dequantize_accepts_int8_and_fp8_views(fmt_name):
     ref = flash_mla.dequantize_kv_fp8(kv8, fmt_name)
     for dt in (torch.int8, torch.float8_e4m3fn):
         assert torch.equal(flash_mla.dequantize_kv_fp8(kv8.view(dt), fmt_name), ref)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fmt_name", ["v32", "model1"])
+def test_helpers_keep_the_input_device(fmt_name):
+    """quantize_kv_fp8 / dequantize_kv_fp8 accept CUDA tensors (they round-trip through the CPU):
+    the result comes back on the input's device and equals the CPU result."""
+    fmt = R.FORMATS[fmt_name]
+    kv = _kv_with_edge_cases(fmt, 2, 16)
+    q_cpu = flash_mla.quantize_kv_fp8(kv, fmt_name)
+    q_gpu = flash_mla.quantize_kv_fp8(kv.cuda(), fmt_name)
+    assert q_gpu.device.type == "cuda" and q_gpu.dtype == q_cpu.dtype and q_gpu.shape == q_cpu.shape
+    m = _mask_pad_bytes(fmt, 16)
+    assert torch.equal(_block_bytes(q_gpu.cpu(), fmt)[:, m], _block_bytes(q_cpu, fmt)[:, m])
+    # dequantize: a padded block stride on the GPU too
+    kv8 = R.quantize_ref(kv, fmt, block_stride_bytes=16 * fmt.bytes_per_token + 64)
+    d_cpu = flash_mla.dequantize_kv_fp8(kv8, fmt_name)
+    d_gpu = flash_mla.dequantize_kv_fp8(R.to_device(kv8, "cuda"), fmt_name)
+    assert d_gpu.device.type == "cuda" and d_gpu.dtype == d_cpu.dtype
+    assert torch.equal(d_gpu.cpu(), d_cpu)

@@ -1,0 +1,255 @@
+// Portable MLA attention kernel (sm80+): tensor cores through mma.sync, cp.async loads, no
+// Hopper-only instructions. One kernel template serves dense decode (BF16/FP16/FP8 caches), sparse
+// decode (FP8 V3.2 / MODEL1) and sparse prefill; a Problem policy (problems.cuh) says where the
+// query rows and the keys come from and where results go.
+//
+// Schedule (128 threads = 4 warps, one CTA per (16-row query tile, key group, plan part)):
+//   * a persistent loop over the part's work items (plan pieces; one item for prefill);
+//   * per item, Q (16 rows x D) goes through shared memory into registers: warp w keeps the
+//     A fragments of dims [w*D/4, (w+1)*D/4);
+//   * keys stream in stages of 32 (half a plan block), 3 stages deep: cp.async for BF16/FP16
+//     rows, load-convert-store for FP8 (dequantised to bf16 in shared memory, invalid rows zeroed);
+//   * S = Q K^T: each warp multiplies its quarter of the head dim for all 32 keys; the four
+//     partial S tiles are summed through shared memory; 128 threads run the online softmax (log2
+//     domain, 8 threads per row), write P (bf16/fp16) and the per-row rescale factor;
+//   * O += P V: warp w owns output columns [w*128, w*128+128) in registers (16 x 128 fp32);
+//   * epilogue: whole pieces write out/lse (attention sink applied), split pieces write fp32
+//     partials for the combine kernel.
+// Tile sizes: 16 query rows, 32 keys per stage, 3 stages, rows padded by 8 elements (16 bytes) so
+// ldmatrix rows fall in distinct banks. Shared memory: 142 KB at D = 576.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "../common/ptx.cuh"
+#include "mla/params.h"
+#include "mla/plan.h"
+
+namespace mla::cuda::portable {
+
+constexpr int kThreads = 128;
+constexpr int kWarps = kThreads / 32;
+constexpr int kRows = 16;        // query rows per CTA: one mma M
+constexpr int kStageKeys = 32;   // keys per pipeline stage
+constexpr int kStages = 3;       // stages in flight
+constexpr int kPad = 8;          // elements of padding per shared-memory row (16 bytes)
+constexpr int kDv = kHeadDimV;   // 512
+constexpr int kColsPerWarp = kDv / kWarps;  // 128 output columns per warp
+constexpr int kNTilesO = kColsPerWarp / 8;  // 16 mma n-tiles of O per warp
+constexpr int kSPad = 4;                    // fp32 padding of the partial-S rows
+static_assert(kPlanBlockSize % kStageKeys == 0, "a plan block is a whole number of stages");
+static_assert(kStageKeys == 32 && kThreads == 128, "the softmax maps 8 threads x 4 keys to each of 16 rows");
+static_assert(kDv % (kWarps * 16) == 0, "each warp owns whole 16-column pairs of O");
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+template <int D, typename T>
+struct SharedStorage {
+  static_assert(D % (kWarps * 16) == 0, "each warp owns whole k16 steps of the head dim");
+  T k[kStages][kStageKeys][D + kPad];  // keys of 3 stages; V is the first 512 dims
+  T q[kRows][D + kPad];
+  float s_part[kWarps][kRows][kStageKeys + kSPad];
+  T p[kRows][kStageKeys + kPad];
+  float row_m[kRows];      // running max, log2 domain
+  float row_l[kRows];      // running sum
+  float row_alpha[kRows];  // rescale factor of the current stage
+  int key_pos[kStages][kStageKeys];  // position of each key (token index or slot) for row masks
+  uint8_t key_valid[kStages][kStageKeys];
+};
+
+// A unit of work of one CTA: request `req`, stages [stage_begin, stage_end) of its key space.
+struct WorkItem {
+  int req;
+  int stage_begin, stage_end;
+  bool is_split;
+  int split_index;
+};
+
+template <class Problem>
+__global__ void __launch_bounds__(kThreads, 1) attention_kernel(const __grid_constant__ typename Problem::Params params) {
+  using T = typename Problem::MmaT;
+  constexpr int D = Problem::kHeadDim;
+  constexpr int kDimsPerWarp = D / kWarps;
+  constexpr int kKSteps = kDimsPerWarp / 16;
+  extern __shared__ __align__(16) uint8_t smem_raw[];
+  auto& sm = *reinterpret_cast<SharedStorage<D, T>*>(smem_raw);
+
+  const Problem pb(params);
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int g = lane / 4, t4 = lane % 4;
+  int m_tile, group, part;
+  pb.coords(m_tile, group, part);
+  const int row0 = m_tile * kRows;
+  const int num_rows = pb.rows();
+
+  const int num_items = pb.num_items(part);
+  for (int item_idx = 0; item_idx < num_items; ++item_idx) {
+    const WorkItem item = pb.item(part, item_idx);
+    __syncthreads();  // the previous item is done with every buffer
+
+    // ---- Q: global -> shared -> registers ------------------------------------------------
+    for (int c = tid; c < kRows * D / 8; c += kThreads) {
+      const int r = c / (D / 8), col = (c % (D / 8)) * 8;
+      pb.load_q8(item.req, group, row0 + r, col, row0 + r < num_rows, &sm.q[r][col]);
+    }
+    if (tid < kRows) {
+      sm.row_m[tid] = -INFINITY;
+      sm.row_l[tid] = 0.f;
+    }
+    __syncthreads();
+    uint32_t qf[kKSteps][4];
+#pragma unroll
+    for (int ks = 0; ks < kKSteps; ++ks)
+      ptx::ldmatrix_x4(qf[ks], &sm.q[lane % 16][warp * kDimsPerWarp + ks * 16 + (lane / 16) * 8]);
+
+    float acc[kNTilesO][4];
+#pragma unroll
+    for (int n = 0; n < kNTilesO; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+
+    const float score_scale = pb.score_scale(item.req);
+    // The last key position each of this thread's softmax row may see (causal masks).
+    const int softmax_row = tid / 8;
+    const int row_limit = pb.row_key_limit(item.req, group, row0 + softmax_row);
+    const bool softmax_row_live = row0 + softmax_row < num_rows;
+
+    // ---- key stages ----------------------------------------------------------------------
+    const int n_stages = item.stage_end - item.stage_begin;
+#pragma unroll
+    for (int k = 0; k < kStages - 1; ++k) {
+      if (k < n_stages) pb.load_stage(item, item.stage_begin + k, sm.k[k], sm.key_valid[k], sm.key_pos[k]);
+      ptx::cp_async_commit();
+    }
+    for (int st = 0; st < n_stages; ++st) {
+      const int buf = st % kStages;
+      ptx::cp_async_wait<kStages - 2>();
+      __syncthreads();  // stage st has landed; every warp is done with stage st - 1
+      {
+        const int next = st + kStages - 1;
+        if (next < n_stages)
+          pb.load_stage(item, item.stage_begin + next, sm.k[next % kStages], sm.key_valid[next % kStages],
+                        sm.key_pos[next % kStages]);
+        ptx::cp_async_commit();
+      }
+
+      // S partial = Q[:, my dims] K[:, my dims]^T, 16 x 32.
+      float s[4][4];
+#pragma unroll
+      for (int n = 0; n < 4; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+#pragma unroll
+      for (int ks = 0; ks < kKSteps; ++ks) {
+        const int col = warp * kDimsPerWarp + ks * 16 + ((lane / 8) % 2) * 8;
+#pragma unroll
+        for (int np = 0; np < 2; ++np) {
+          uint32_t b[4];
+          ptx::ldmatrix_x4(b, &sm.k[buf][np * 16 + (lane % 8) + (lane / 16) * 8][col]);
+          ptx::mma_16816<T>(s[2 * np], qf[ks], b[0], b[1]);
+          ptx::mma_16816<T>(s[2 * np + 1], qf[ks], b[2], b[3]);
+        }
+      }
+#pragma unroll
+      for (int n = 0; n < 4; ++n) {
+        sm.s_part[warp][g][n * 8 + 2 * t4] = s[n][0];
+        sm.s_part[warp][g][n * 8 + 2 * t4 + 1] = s[n][1];
+        sm.s_part[warp][g + 8][n * 8 + 2 * t4] = s[n][2];
+        sm.s_part[warp][g + 8][n * 8 + 2 * t4 + 1] = s[n][3];
+      }
+      __syncthreads();
+
+      // Online softmax: thread -> row tid / 8, keys (tid % 8) * 4 .. + 4.
+      {
+        const int r = softmax_row, c0 = (tid % 8) * 4;
+        float z[4];
+        float mx = -INFINITY;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int c = c0 + j;
+          float v = 0.f;
+#pragma unroll
+          for (int w = 0; w < kWarps; ++w) v += sm.s_part[w][r][c];
+          const bool valid = softmax_row_live && sm.key_valid[buf][c] && sm.key_pos[buf][c] <= row_limit;
+          z[j] = valid ? v * score_scale : -INFINITY;
+          mx = fmaxf(mx, z[j]);
+        }
+#pragma unroll
+        for (int o = 1; o < 8; o *= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+        const float m_old = sm.row_m[r];
+        const float m_new = fmaxf(m_old, mx);
+        const bool any = m_new != -INFINITY;
+        const float alpha = any ? exp2f(m_old - m_new) : 1.f;
+        float sum = 0.f;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const float pj = any && z[j] != -INFINITY ? exp2f(z[j] - m_new) : 0.f;
+          sum += pj;
+          z[j] = pj;
+        }
+#pragma unroll
+        for (int o = 1; o < 8; o *= 2) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+        *reinterpret_cast<uint32_t*>(&sm.p[r][c0]) = ptx::pack2<T>(z[0], z[1]);
+        *reinterpret_cast<uint32_t*>(&sm.p[r][c0 + 2]) = ptx::pack2<T>(z[2], z[3]);
+        if (tid % 8 == 0) {
+          sm.row_m[r] = m_new;
+          sm.row_l[r] = sm.row_l[r] * alpha + sum;
+          sm.row_alpha[r] = alpha;
+        }
+      }
+      __syncthreads();
+
+      // O = O * alpha + P V over my 128 columns.
+      const float a_lo = sm.row_alpha[g], a_hi = sm.row_alpha[g + 8];
+#pragma unroll
+      for (int n = 0; n < kNTilesO; ++n) {
+        acc[n][0] *= a_lo, acc[n][1] *= a_lo;
+        acc[n][2] *= a_hi, acc[n][3] *= a_hi;
+      }
+#pragma unroll
+      for (int ks = 0; ks < kStageKeys / 16; ++ks) {
+        uint32_t pa[4];
+        ptx::ldmatrix_x4(pa, &sm.p[lane % 16][ks * 16 + (lane / 16) * 8]);
+#pragma unroll
+        for (int j = 0; j < kNTilesO / 2; ++j) {
+          uint32_t b[4];
+          ptx::ldmatrix_x4_trans(
+              b, &sm.k[buf][ks * 16 + (lane % 8) + ((lane / 8) % 2) * 8][warp * kColsPerWarp + j * 16 + (lane / 16) * 8]);
+          ptx::mma_16816<T>(acc[2 * j], pa, b[0], b[1]);
+          ptx::mma_16816<T>(acc[2 * j + 1], pa, b[2], b[3]);
+        }
+      }
+    }
+    ptx::cp_async_wait<0>();
+    __syncthreads();
+
+    // ---- epilogue ------------------------------------------------------------------------
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = g + half * 8;
+      if (row0 + r >= num_rows) continue;
+      const float m = sm.row_m[r], l = sm.row_l[r];
+      float vals[kNTilesO * 2];
+#pragma unroll
+      for (int n = 0; n < kNTilesO; ++n) vals[2 * n] = acc[n][half * 2], vals[2 * n + 1] = acc[n][half * 2 + 1];
+      pb.store_row(item, group, row0 + r, warp * kColsPerWarp, t4, vals, m, l, warp == 0 && t4 == 0);
+    }
+  }
+}
+
+// Shared memory a Problem's kernel needs.
+template <class Problem>
+constexpr size_t shared_bytes() {
+  return sizeof(SharedStorage<Problem::kHeadDim, typename Problem::MmaT>);
+}
+
+template <class Problem>
+cudaError_t launch(const typename Problem::Params& params, dim3 grid, cudaStream_t stream) {
+  const size_t smem = shared_bytes<Problem>();
+  cudaError_t err = cudaFuncSetAttribute(attention_kernel<Problem>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         int(smem));
+  if (err != cudaSuccess) return err;
+  attention_kernel<Problem><<<grid, kThreads, smem, stream>>>(params);
+  return cudaGetLastError();
+}
+
+}  // namespace mla::cuda::portable

@@ -1,0 +1,3 @@
+#include "../launch.cuh"
+
+MLA_PORTABLE_INSTANTIATE(mla::cuda::portable::PrefillProblem<512>)
