@@ -270,7 +270,9 @@ def test_deterministic(device):
 def test_large_logits_and_sinks(fmt, device):
     """Scores and sinks in the hundreds: exp overflows unless the max is subtracted."""
     main, ex = build(fmt, 2, 2, 400, 300, 64, tl=True, extra=(200, 100, 16, True), device=device)
-    q = R.rand((2, 2, 128, R.FORMATS[fmt].d)) * 30
+    # CUDA runs use keys without the per-token magnitude spread (see build): a larger q keeps the
+    # scores in the hundreds.
+    q = R.rand((2, 2, 128, R.FORMATS[fmt].d)) * (30 if device == "cpu" else 80)
     sink = R.make_sink(128, "finite") * 50 + 100
     out, lse = check_sparse(q, main, ex, sink, 3.0, device=device)
     assert lse[torch.isfinite(lse)].max() > 100

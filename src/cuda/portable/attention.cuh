@@ -8,7 +8,9 @@
 //   * per item, Q (16 rows x D) goes through shared memory into registers: warp w keeps the
 //     A fragments of dims [w*D/4, (w+1)*D/4);
 //   * keys stream in stages of 32 (half a plan block), 3 stages deep: cp.async for BF16/FP16
-//     rows, load-convert-store for FP8 (dequantised to bf16 in shared memory, invalid rows zeroed);
+//     rows; FP8 rows are loaded into registers two stages ahead and dequantised into shared memory
+//     after the current stage's P V, so their latency hides behind the matrix work (invalid rows
+//     are zeroed);
 //   * S = Q K^T: each warp multiplies its quarter of the head dim for all 32 keys; the four
 //     partial S tiles are summed through shared memory; 128 threads run the online softmax (log2
 //     domain, 8 threads per row), write P (bf16/fp16) and the per-row rescale factor;
@@ -119,20 +121,26 @@ __global__ void __launch_bounds__(kThreads, 1) attention_kernel(const __grid_con
     const int n_stages = item.stage_end - item.stage_begin;
 #pragma unroll
     for (int k = 0; k < kStages - 1; ++k) {
-      if (k < n_stages) pb.load_stage(item, item.stage_begin + k, sm.k[k], sm.key_valid[k], sm.key_pos[k]);
+      if (k < n_stages) {
+        typename Problem::Prefetch f;
+        pb.fetch(item, item.stage_begin + k, f, sm.k[k], sm.key_valid[k], sm.key_pos[k]);
+        pb.commit(f, sm.k[k]);
+      }
       ptx::cp_async_commit();
     }
     for (int st = 0; st < n_stages; ++st) {
       const int buf = st % kStages;
       ptx::cp_async_wait<kStages - 2>();
       __syncthreads();  // stage st has landed; every warp is done with stage st - 1
-      {
-        const int next = st + kStages - 1;
-        if (next < n_stages)
-          pb.load_stage(item, item.stage_begin + next, sm.k[next % kStages], sm.key_valid[next % kStages],
-                        sm.key_pos[next % kStages]);
-        ptx::cp_async_commit();
-      }
+      // Loads of stage st + 2 go out now and land while this stage computes: cp.async straight into
+      // shared memory, or global -> registers, converted into shared memory after P V below.
+      const int next = st + kStages - 1;
+      const bool has_next = next < n_stages;
+      typename Problem::Prefetch prefetch;
+      if (has_next)
+        pb.fetch(item, item.stage_begin + next, prefetch, sm.k[next % kStages], sm.key_valid[next % kStages],
+                 sm.key_pos[next % kStages]);
+      ptx::cp_async_commit();
 
       // S partial = Q[:, my dims] K[:, my dims]^T, 16 x 32.
       float s[4][4];
@@ -218,6 +226,9 @@ __global__ void __launch_bounds__(kThreads, 1) attention_kernel(const __grid_con
           ptx::mma_16816<T>(acc[2 * j + 1], pa, b[2], b[3]);
         }
       }
+      // Buffer (st + 2) % 3 held stage st - 1, which every warp finished before this iteration's
+      // first barrier, so the prefetched registers can land there now.
+      if (has_next) pb.commit(prefetch, sm.k[next % kStages]);
     }
     ptx::cp_async_wait<0>();
     __syncthreads();

@@ -161,38 +161,55 @@ struct DenseProblem {
     detail::convert8<MmaT>(src, dst);
   }
 
-  __device__ void load_stage(const WorkItem& item, int stage, MmaT (*k)[D + kPad], uint8_t* valid, int* pos) const {
-    const int i = item.req, len = p.seqlens_k[i], t0 = stage * kStageKeys;
-    const int group = blockIdx.y;
-    // Page of token t, or -1 past the sequence or for a block-table entry outside the cache.
-    auto page_of = [&](int t) -> int64_t {
-      if (t >= len || t / p.page_block_size >= p.max_blocks_per_seq) return -1;
-      const int64_t page = p.block_table[i * p.block_table_stride + t / p.page_block_size];
-      return page >= 0 && page < p.num_blocks ? page : -1;
-    };
-    if (threadIdx.x < kStageKeys) {
-      valid[threadIdx.x] = page_of(t0 + int(threadIdx.x)) >= 0;
-      pos[threadIdx.x] = t0 + int(threadIdx.x);
+  static constexpr int kElemsPer16B = 16 / sizeof(CacheT);
+  static constexpr int kChunks = D / kElemsPer16B;  // 16-byte pieces of a key row
+  // Four threads per key (one block-table lookup each); thread q of a key copies pieces
+  // q, q + 4, q + 8, ... so the four read 64 contiguous bytes per instruction.
+  static constexpr int kIters = kChunks / 4;
+  static_assert(kThreads == 4 * kStageKeys && kChunks % 4 == 0, "four threads per key, whole pieces each");
+  struct Prefetch {
+    uint4 raw[kFp8 ? kIters : 1];  // FP8 rows in flight (BF16/FP16 go through cp.async)
+  };
+
+  // Issues the loads of one stage: 32 tokens of request item.req, KV head blockIdx.y.
+  __device__ void fetch(const WorkItem& item, int stage, Prefetch& f, MmaT (*k)[D + kPad], uint8_t* valid,
+                        int* pos) const {
+    const int i = item.req, len = p.seqlens_k[i];
+    const int key = threadIdx.x / 4, quarter = threadIdx.x % 4;
+    const int t = stage * kStageKeys + key;
+    // The token's page, or none past the sequence or for a block-table entry outside the cache.
+    const int page_idx = t / p.page_block_size;
+    int64_t page = -1;
+    if (t < len && page_idx < p.max_blocks_per_seq) {
+      page = p.block_table[i * p.block_table_stride + page_idx];
+      if (page < 0 || page >= p.num_blocks) page = -1;
+    }
+    if (quarter == 0) {
+      valid[key] = page >= 0;
+      pos[key] = t;
     }
     const auto* cache = static_cast<const CacheT*>(p.k_cache);
-    constexpr int kElemsPer16B = 16 / sizeof(CacheT);
-    constexpr int kChunks = D / kElemsPer16B;
-    for (int c = threadIdx.x; c < kStageKeys * kChunks; c += kThreads) {
-      const int key = c / kChunks, col = (c % kChunks) * kElemsPer16B;
-      const int t = t0 + key;
-      const int64_t page = page_of(t);
-      const bool ok = page >= 0;
-      const CacheT* src = cache;
-      if (ok) {
-        src = cache + page * p.k_stride_block + int64_t(t % p.page_block_size) * p.k_stride_token +
-              int64_t(group) * p.k_stride_head + col;
-      }
+    const CacheT* row = page < 0 ? cache
+                                 : cache + page * p.k_stride_block +
+                                       int64_t(t - page_idx * p.page_block_size) * p.k_stride_token +
+                                       int64_t(blockIdx.y) * p.k_stride_head;
+#pragma unroll
+    for (int j = 0; j < kIters; ++j) {
+      const int col = (j * 4 + quarter) * kElemsPer16B;
       if constexpr (kFp8) {
-        const uint4 raw = ok ? __ldg(reinterpret_cast<const uint4*>(src)) : make_uint4(0, 0, 0, 0);
-        detail::dequant16(raw, 1.f, &k[key][col]);
+        f.raw[j] = page >= 0 ? __ldg(reinterpret_cast<const uint4*>(row + col)) : make_uint4(0, 0, 0, 0);
       } else {
-        ptx::cp_async_16(&k[key][col], src, ok);
+        ptx::cp_async_16(&k[key][col], row + (page >= 0 ? col : 0), page >= 0);
       }
+    }
+  }
+
+  // FP8: the prefetched bytes, widened to bf16 (exact), into the stage buffer.
+  __device__ void commit(const Prefetch& f, MmaT (*k)[D + kPad]) const {
+    if constexpr (kFp8) {
+      const int key = threadIdx.x / 4, quarter = threadIdx.x % 4;
+#pragma unroll
+      for (int j = 0; j < kIters; ++j) detail::dequant16(f.raw[j], 1.f, &k[key][(j * 4 + quarter) * kElemsPer16B]);
     }
   }
 
@@ -247,11 +264,27 @@ struct SparseProblem {
     detail::convert8<MmaT>(src, dst);
   }
 
-  // Four threads per slot; each dequantises a quarter of the token into the stage buffer.
-  __device__ void load_stage(const WorkItem& item, int stage, MmaT (*k)[kHeadDim + kPad], uint8_t* valid,
-                             int* pos) const {
+  // Four threads per slot; each owns a quarter of the token. V3.2: NoPE dims [128q, 128q + 128)
+  // (exactly one scale tile) and RoPE dims 512 + [16q, 16q + 16). MODEL1: NoPE dims
+  // [112q, 112q + 112) (seven 16-dim chunks, each inside one 64-dim tile) and RoPE dims
+  // 448 + [16q, 16q + 16); a page block is 584 * page_block_size bytes, so MODEL1 records are only
+  // 8-byte aligned in general and are read with 8-byte loads.
+  static constexpr bool kV32 = F == KvFormat::kV32;
+  static constexpr int kNopeChunks = kV32 ? 8 : 7;  // 16-byte chunks of NoPE per thread
+  static constexpr int kNope = kV32 ? 512 : 448;
+  static constexpr int kRecordBytes = kV32 ? 656 : 576;
+  static constexpr int kRopeOffset = kV32 ? 528 : 448;  // bytes into the record
+  static_assert(kThreads == 4 * kStageKeys, "four threads per slot");
+  struct Prefetch {
+    bool ok;
+    uint4 nope[kNopeChunks];
+    uint4 rope[2];
+    uint2 scales;  // V3.2: the float32 scale of this quarter in .x; MODEL1: the 8-byte scale record
+  };
+
+  __device__ void fetch(const WorkItem& item, int stage, Prefetch& f, MmaT (*)[kHeadDim + kPad], uint8_t* valid,
+                        int* pos) const {
     constexpr int kStagesPerBlock = kPlanBlockSize / kStageKeys;
-    static_assert(kThreads == 4 * kStageKeys, "four threads per slot");
     const int i = item.req, s = blockIdx.y;
     const DecodePlanParams pp = plan();
     const int blk = stage / kStagesPerBlock, main_blocks = sparse_main_blocks(pp, i);
@@ -264,58 +297,56 @@ struct SparseProblem {
     const int slot_local = threadIdx.x / 4, quarter = threadIdx.x % 4;
     const int slot = ((is_main ? blk : blk - main_blocks) * kStagesPerBlock + stage % kStagesPerBlock) * kStageKeys +
                      slot_local;
-    const int64_t tok = slot < slots ? idx[slot] : -1;
-    const bool ok = slot < len && tok >= 0 && tok < int64_t(cache.num_blocks) * cache.page_block_size;
+    const int64_t tok = slot < len ? idx[slot] : -1;  // slots past the length are never read
+    f.ok = slot < slots && tok >= 0 && tok < int64_t(cache.num_blocks) * cache.page_block_size;
     if (quarter == 0) {
-      valid[slot_local] = ok;
+      valid[slot_local] = f.ok;
       pos[slot_local] = slot;
     }
+    if (!f.ok) return;
+    const uint8_t* block = cache.data + (tok / cache.page_block_size) * cache.stride_block;
+    const int off = int(tok % cache.page_block_size);
+    const uint8_t* rec = block + int64_t(off) * kRecordBytes;
+#pragma unroll
+    for (int c = 0; c < kNopeChunks; ++c) {
+      const uint8_t* src = rec + quarter * (kNopeChunks * 16) + c * 16;
+      f.nope[c] = kV32 ? __ldg(reinterpret_cast<const uint4*>(src)) : detail::load16_align8(src);
+    }
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      const uint8_t* src = rec + kRopeOffset + quarter * 32 + c * 16;
+      f.rope[c] = kV32 ? __ldg(reinterpret_cast<const uint4*>(src)) : detail::load16_align8(src);
+    }
+    if constexpr (kV32) {
+      f.scales.x = __ldg(reinterpret_cast<const unsigned*>(rec + 512 + 4 * quarter));
+    } else {
+      f.scales = __ldg(reinterpret_cast<const uint2*>(block + int64_t(cache.page_block_size) * 576 + int64_t(off) * 8));
+    }
+  }
+
+  __device__ void commit(const Prefetch& f, MmaT (*k)[kHeadDim + kPad]) const {
+    const int slot_local = threadIdx.x / 4, quarter = threadIdx.x % 4;
     MmaT* row = k[slot_local];
     const uint4 zero = make_uint4(0, 0, 0, 0);
-    const uint8_t* block = ok ? cache.data + (tok / cache.page_block_size) * cache.stride_block : nullptr;
-    const int off = ok ? int(tok % cache.page_block_size) : 0;
-    if constexpr (F == KvFormat::kV32) {
-      // Quarter q: NoPE dims [128q, 128q + 128) (exactly one scale tile) and RoPE dims 512 + [16q, 16q + 16).
-      const uint8_t* rec = ok ? block + int64_t(off) * 656 : nullptr;
-      const float scale = ok ? *reinterpret_cast<const float*>(rec + 512 + 4 * quarter) : 0.f;
 #pragma unroll
-      for (int c = 0; c < 8; ++c) {
-        const int d = quarter * 128 + c * 16;
-        if (ok) {
-          detail::dequant16(__ldg(reinterpret_cast<const uint4*>(rec + d)), scale, row + d);
+    for (int c = 0; c < kNopeChunks; ++c) {
+      const int d = quarter * (kNopeChunks * 16) + c * 16;
+      if (f.ok) {
+        float scale;
+        if constexpr (kV32) {
+          scale = __uint_as_float(f.scales.x);
         } else {
-          *reinterpret_cast<uint4*>(row + d) = zero;
-          *reinterpret_cast<uint4*>(row + d + 8) = zero;
+          const int tile = d / 64;
+          scale = detail::ue8m0(uint8_t((tile < 4 ? f.scales.x >> (8 * tile) : f.scales.y >> (8 * (tile - 4))) & 0xff));
         }
-      }
-#pragma unroll
-      for (int c = 0; c < 2; ++c) {
-        const int d = 512 + quarter * 16 + c * 8;
-        *reinterpret_cast<uint4*>(row + d) =
-            ok ? __ldg(reinterpret_cast<const uint4*>(rec + 528 + (d - 512) * 2)) : zero;
-      }
-    } else {
-      // Quarter q: NoPE dims [112q, 112q + 112) (seven 16-dim chunks, each inside one 64-dim tile)
-      // and RoPE dims 448 + [16q, 16q + 16). A page block is 584 * page_block_size bytes, so records
-      // are only 8-byte aligned in general: 8-byte loads.
-      const uint8_t* rec = ok ? block + int64_t(off) * 576 : nullptr;
-      const uint8_t* scales = ok ? block + int64_t(cache.page_block_size) * 576 + int64_t(off) * 8 : nullptr;
-#pragma unroll
-      for (int c = 0; c < 7; ++c) {
-        const int d = quarter * 112 + c * 16;
-        if (ok) {
-          detail::dequant16(detail::load16_align8(rec + d), detail::ue8m0(scales[d / 64]), row + d);
-        } else {
-          *reinterpret_cast<uint4*>(row + d) = zero;
-          *reinterpret_cast<uint4*>(row + d + 8) = zero;
-        }
-      }
-#pragma unroll
-      for (int c = 0; c < 2; ++c) {
-        const int d = 448 + quarter * 16 + c * 8;
-        *reinterpret_cast<uint4*>(row + d) = ok ? detail::load16_align8(rec + 448 + (d - 448) * 2) : zero;
+        detail::dequant16(f.nope[c], scale, row + d);
+      } else {
+        *reinterpret_cast<uint4*>(row + d) = zero;
+        *reinterpret_cast<uint4*>(row + d + 8) = zero;
       }
     }
+#pragma unroll
+    for (int c = 0; c < 2; ++c) *reinterpret_cast<uint4*>(row + kNope + quarter * 16 + c * 8) = f.ok ? f.rope[c] : zero;
   }
 
   __device__ void store_row(const WorkItem& item, int s, int h, int col_base, int t4, const float* vals, float m,
@@ -362,24 +393,32 @@ struct PrefillProblem {
                            dst);
   }
 
-  __device__ void load_stage(const WorkItem& item, int stage, MmaT (*k)[D + kPad], uint8_t* valid, int* pos) const {
-    const int s = item.req, len = length(s), slot0 = stage * kStageKeys;
-    const int32_t* idx = p.indices + s * p.indices_stride_s;
-    auto token = [&](int slot) { return slot < len ? idx[slot] : -1; };
-    if (threadIdx.x < kStageKeys) {
-      const int tok = token(slot0 + threadIdx.x);
-      valid[threadIdx.x] = tok >= 0 && tok < p.s_kv;
-      pos[threadIdx.x] = slot0 + threadIdx.x;
+  static constexpr int kChunks = D / 8;  // 16-byte pieces of a key row
+  static constexpr int kIters = kChunks / 4;  // four threads per key, as in DenseProblem
+  static_assert(kThreads == 4 * kStageKeys && kChunks % 4 == 0, "four threads per key, whole pieces each");
+  struct Prefetch {};
+
+  __device__ void fetch(const WorkItem& item, int stage, Prefetch&, MmaT (*k)[D + kPad], uint8_t* valid,
+                        int* pos) const {
+    const int s = item.req, len = length(s);
+    const int key = threadIdx.x / 4, quarter = threadIdx.x % 4;
+    const int slot = stage * kStageKeys + key;
+    const int tok = slot < len ? p.indices[s * p.indices_stride_s + slot] : -1;
+    const bool ok = tok >= 0 && tok < p.s_kv;
+    if (quarter == 0) {
+      valid[key] = ok;
+      pos[key] = slot;
     }
-    constexpr int kChunks = D / 8;
     const auto* kv = reinterpret_cast<const __nv_bfloat16*>(p.kv);
-    for (int c = threadIdx.x; c < kStageKeys * kChunks; c += kThreads) {
-      const int key = c / kChunks, col = (c % kChunks) * 8;
-      const int tok = token(slot0 + key);
-      const bool ok = tok >= 0 && tok < p.s_kv;
-      ptx::cp_async_16(&k[key][col], ok ? kv + int64_t(tok) * p.kv_stride_s + col : kv, ok);
+    const __nv_bfloat16* row = ok ? kv + int64_t(tok) * p.kv_stride_s : kv;
+#pragma unroll
+    for (int j = 0; j < kIters; ++j) {
+      const int col = (j * 4 + quarter) * 8;
+      ptx::cp_async_16(&k[key][col], row + (ok ? col : 0), ok);
     }
   }
+
+  __device__ void commit(const Prefetch&, MmaT (*)[D + kPad]) const {}
 
   __device__ void store_row(const WorkItem& item, int, int h, int col_base, int t4, const float* vals, float m,
                             float l, bool write_stats) const {

@@ -1,0 +1,215 @@
+"""Benchmark of whole API calls (planner + attention + combine) on the GPU, next to a plain PyTorch
+implementation of the same call.
+
+Timing as ANCHORS.md: each call captured 10 times in one CUDA graph, median of 20 replays.
+FLOPs = 2 * h_q * s_q * sum(attended keys) * (d_qk + d_v); bytes = q + attended KV (each token once:
+2*576 B dense, 656 B V3.2, 584 B MODEL1) + out. Fractions are of the card's measured ceilings.
+
+Usage: python3 bench/bench_decode.py [--cases NAME,...] [--no-torch]
+"""
+
+import argparse
+import math
+import os
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "python"))
+import reference as R  # noqa: E402
+
+import mla_kernels.flash_mla as flash_mla  # noqa: E402
+
+COPY_GBPS = 4274.0  # H200 device-to-device copy, bytes read + written (ANCHORS.md)
+MATMUL_TFLOPS = 778.0  # H200 bf16 8192^3 through cuBLAS (ANCHORS.md)
+
+
+def time_call(fn, calls=10, replays=20):
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls * 1e3)  # microseconds per call
+    return statistics.median(times)
+
+
+def varlen(b, mean, s_q):
+    return torch.normal(float(mean), mean / 2, (b,)).clamp(min=s_q).int().tolist()
+
+
+# ---- dense -----------------------------------------------------------------------------------
+
+def torch_dense(q, kc, bt, seqlens, causal):
+    b, s_q, h_q, d = q.shape
+    page = kc.shape[1]
+    max_len = int(bt.shape[1]) * page
+    keys = kc[bt.clamp(0, kc.shape[0] - 1).long()].view(b, max_len, kc.shape[2], d)[:, :, 0]  # h_k = 1
+    scores = torch.einsum("bshd,bld->bshl", q, keys).float() * d ** -0.5
+    pos = torch.arange(max_len, device=q.device)
+    limit = seqlens[:, None] - s_q + torch.arange(s_q, device=q.device)[None, :] if causal else seqlens[:, None] - 1
+    mask = pos[None, None, :] <= (limit if causal else limit.expand(b, s_q))[..., None]
+    scores = scores.masked_fill(~mask[:, :, None, :], float("-inf"))
+    lse = torch.logsumexp(scores, -1)
+    out = torch.einsum("bshl,bld->bshd", torch.softmax(scores, -1).to(q.dtype), keys[..., :512])
+    return out, lse
+
+
+def dense_case(b, s_q, h_q, s_k, causal, fixed=False):
+    lens = [s_k] * b if fixed else varlen(b, s_k, s_q)
+    paged = R.make_dense_paged(lens, 64, 1, 576, torch.bfloat16, poison="random", garbage_cols=0)
+    q = R.rand((b, s_q, h_q, 576)).cuda()
+    kc, bt, sl = paged.k_cache.cuda(), paged.block_table.cuda(), paged.cache_seqlens.cuda()
+    bt = bt.clamp(0, kc.shape[0] - 1)
+
+    def ours():
+        sched, _ = flash_mla.get_mla_metadata()
+        return flash_mla.flash_mla_with_kvcache(q, kc, bt, sl, 512, sched, causal=causal)
+
+    attended = sum(lens) * s_q  # each row of each query token (causal trims a few)
+    flops = 2 * h_q * attended * (576 + 512)
+    bytes_ = q.numel() * 2 + sum(lens) * 576 * 2 + b * s_q * h_q * 512 * 2
+    return ours, (lambda: torch_dense(q, kc, bt, sl, causal)), flops, bytes_
+
+
+# ---- sparse decode ---------------------------------------------------------------------------
+
+def torch_sparse(q, kv8, idx, fmt, sink=None):
+    tokens = dequant_tokens(kv8, fmt)
+    n = tokens.shape[0]
+    valid = (idx >= 0) & (idx < n)
+    keys = tokens[idx.clamp(0, n - 1).long()]  # [b, s_q, topk, d]
+    d = q.shape[-1]
+    scores = torch.einsum("bshd,bstd->bsht", q, keys).float() * d ** -0.5
+    scores = scores.masked_fill(~valid[:, :, None, :], float("-inf"))
+    out = torch.einsum("bsht,bstd->bshd", torch.softmax(scores, -1).to(q.dtype), keys[..., :512])
+    return out
+
+
+def dequant_tokens(kv8, fmt):
+    """Whole-cache dequantisation in PyTorch (what a plain implementation has to do)."""
+    nb, page = kv8.shape[:2]
+    if fmt == "v32":
+        raw = kv8.view(nb * page, 656)
+        nope = raw[:, :512].view(torch.float8_e4m3fn).float()
+        scales = raw[:, 512:528].contiguous().view(torch.float32).repeat_interleave(128, dim=1)
+        rope = raw[:, 528:].contiguous().view(torch.bfloat16)
+        return torch.cat([(nope * scales).bfloat16(), rope], 1)
+    blocks = kv8.reshape(nb, page * 584)
+    rec = blocks[:, : page * 576].reshape(nb * page, 576)
+    sc = blocks[:, page * 576:].reshape(nb * page, 8)[:, :7]
+    scales = torch.pow(2.0, sc.float() - 127).repeat_interleave(64, dim=1)
+    nope = rec[:, :448].contiguous().view(torch.float8_e4m3fn).float()
+    return torch.cat([(nope * scales).bfloat16(), rec[:, 448:].contiguous().view(torch.bfloat16)], 1)
+
+
+def sparse_case(fmt, b, s_q, h_q, topk, s_k=4096):
+    d = 576 if fmt == "v32" else 512
+    main = R.make_sparse_cache(fmt, b, s_q, max(s_k, topk), topk, 64, invalid_frac=0.0, poison="random",
+                               scale_spread=False)
+    q = R.rand((b, s_q, h_q, d)).cuda()
+    kv8, idx = main.kv8.cuda(), main.indices.cuda()
+
+    def ours():
+        sched, _ = flash_mla.get_mla_metadata()
+        return flash_mla.flash_mla_with_kvcache(q, kv8, None, None, 512, sched, is_fp8_kvcache=True, indices=idx)
+
+    attended = b * s_q * topk
+    flops = 2 * h_q * attended * (d + 512)
+    unique = int(torch.unique(main.indices).numel())
+    bytes_ = q.numel() * 2 + unique * (656 if fmt == "v32" else 584) + b * s_q * h_q * 512 * 2
+    return ours, (lambda: torch_sparse(q, kv8, idx, fmt)), flops, bytes_
+
+
+def model1_mixed_case(b=128, h_q=128):
+    """MODEL1: topk 128 over a page-256 cache with topk_length, plus extra topk 1024 over a page-64
+    cache with extra_topk_length, attention sink (DeepSeek-V4 decode)."""
+    main = R.make_sparse_cache("model1", b, 1, 4096, 128, 256, invalid_frac=0.0, with_topk_length=True,
+                               poison="random", scale_spread=False)
+    extra = R.make_sparse_cache("model1", b, 1, 4096, 1024, 64, invalid_frac=0.0, with_topk_length=True,
+                                poison="random", scale_spread=False)
+    q = R.rand((b, 1, h_q, 512)).cuda()
+    sink = torch.randn(h_q).cuda()
+    args = [t.cuda() for t in (main.kv8, main.indices, main.topk_length, extra.kv8, extra.indices, extra.topk_length)]
+
+    def ours():
+        sched, _ = flash_mla.get_mla_metadata()
+        return flash_mla.flash_mla_with_kvcache(q, args[0], None, None, 512, sched, is_fp8_kvcache=True,
+                                                indices=args[1], topk_length=args[2], attn_sink=sink,
+                                                extra_k_cache=args[3], extra_indices_in_kvcache=args[4],
+                                                extra_topk_length=args[5])
+
+    attended = int(main.topk_length.sum() + extra.topk_length.sum())
+    flops = 2 * h_q * attended * (512 + 512)
+    bytes_ = q.numel() * 2 + attended * 584 + b * h_q * 512 * 2
+    return ours, None, flops, bytes_
+
+
+def prefill_case(s_q=4096, s_kv=32768, h_q=128, topk=2048):
+    case = R.make_prefill_case(s_q, s_kv, h_q, 576, topk, invalid_frac=0.0, poison=False)
+    q, kv, idx = case.q.cuda(), case.kv.cuda(), case.indices.cuda()
+
+    def ours():
+        return flash_mla.flash_mla_sparse_fwd(q, kv, idx, 576 ** -0.5)
+
+    flops = 2 * h_q * s_q * topk * (576 + 512)
+    bytes_ = s_q * topk * 576 * 2 + s_q * h_q * (576 + 512) * 2
+    return ours, None, flops, bytes_
+
+
+CASES = {
+    "dense_b128_h128_sk4096_varlen": lambda: dense_case(128, 1, 128, 4096, False),
+    "dense_b128_h16_sk8192": lambda: dense_case(128, 1, 16, 8192, False, fixed=True),
+    "dense_b128_sq2_h128_sk8192_causal_varlen": lambda: dense_case(128, 2, 128, 8192, True),
+    "dense_b2_h128_sk65536": lambda: dense_case(2, 1, 128, 65536, False, fixed=True),
+    "dense_b8_h128_sk1024": lambda: dense_case(8, 1, 128, 1024, False),
+    "sparse_v32_b128_h128_topk2048": lambda: sparse_case("v32", 128, 1, 128, 2048),
+    "sparse_v32_b128_h16_topk2048": lambda: sparse_case("v32", 128, 1, 16, 2048),
+    "sparse_v32_b64_h32_topk2048": lambda: sparse_case("v32", 64, 1, 32, 2048),
+    "sparse_model1_b128_h128_mixed_sink": model1_mixed_case,
+    "sparse_model1_b128_h16_mixed_sink": lambda: model1_mixed_case(h_q=16),
+    "prefill_v32_sq4096_skv32768_h128_topk2048": prefill_case,
+}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument("--no-torch", action="store_true", help="skip the plain PyTorch implementations")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}; whole API call, CUDA graph of 10 calls, "
+          f"median of 20 replays; ceilings {COPY_GBPS:.0f} GB/s copy, {MATMUL_TFLOPS:.0f} TFLOPS bf16")
+    print(f"{'case':<44} {'us':>9} {'TFLOPS':>8} {'GB/s':>8} {'%mm':>6} {'%copy':>6} {'torch us':>10} {'speedup':>8}")
+    for name in args.cases.split(","):
+        ours, plain, flops, bytes_ = CASES[name]()
+        t = time_call(ours)
+        t_torch = float("nan")
+        if plain is not None and not args.no_torch:
+            try:
+                t_torch = time_call(plain, calls=2, replays=5)
+            except torch.OutOfMemoryError:
+                torch.cuda.empty_cache()
+        tflops, gbps = flops / t / 1e6, bytes_ / t / 1e3
+        print(f"{name:<44} {t:9.1f} {tflops:8.1f} {gbps:8.0f} {100 * tflops / MATMUL_TFLOPS:5.1f}% "
+              f"{100 * gbps / COPY_GBPS:5.1f}% {t_torch:10.1f} {t_torch / t:7.2f}x", flush=True)
+        del ours, plain
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# On a GPU machine, in one command: build and install the package with its CUDA kernels, run the
+# C++ test binaries (carried from a build machine or built here), the whole pytest suite (CUDA
+# included), compute-sanitizer memcheck over a representative subset (out-of-range indices, page
+# size 1, unaligned MODEL1 pages), then the benchmark, whose table it prints last.
+#
+#   bash tools/gpu.sh                      # everything
+#   STEPS=build,pytest bash tools/gpu.sh   # a subset of: build, ctest, pytest, sanitize, bench
+# Logs go to $OUT when set (the device tool's output folder), else build/gpu-logs.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+LOG=${OUT:-build/gpu-logs}
+mkdir -p "$LOG"
+STEPS=${STEPS:-build,ctest,pytest,sanitize,bench}
+export PYTHONUNBUFFERED=1
+status=0
+has() { [[ ",$STEPS," == *",$1,"* ]]; }
+
+if has build; then
+  echo "== build (CUDA archs ${MLA_CUDA_ARCHS:-90a})"
+  python3 -m pip install --no-build-isolation --no-deps -q . -C cmake.define.MLA_CUDA_ARCHS="${MLA_CUDA_ARCHS:-90a}" \
+    > "$LOG/build.log" 2>&1 || { tail -30 "$LOG/build.log"; echo "build failed"; exit 1; }
+fi
+
+if has ctest; then
+  echo "== C++ tests"
+  for bin in build/core/mla_core_tests build/core/mla_cuda_tests build/cuda/mla_core_tests build/cuda/mla_cuda_tests; do
+    [ -x "$bin" ] || continue
+    "$bin" --gtest_brief=1 2>&1 | tee "$LOG/$(basename "$bin").log" | tail -3 || status=1
+  done
+fi
+
+if has pytest; then
+  echo "== pytest (CPU and CUDA)"
+  python3 -m pytest tests/python -q -p no:cacheprovider -rfs ${PYTEST_ARGS:-} 2>&1 | tee "$LOG/pytest.log" | grep -E "passed|failed|FAILED|ERROR" | tail -25
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+
+if has sanitize; then
+  echo "== compute-sanitizer memcheck"
+  compute-sanitizer --tool memcheck --print-limit 10 python3 -m pytest -q -p no:cacheprovider \
+    tests/python/test_sparse_decode.py tests/python/test_dense_decode.py tests/python/test_sparse_prefill.py \
+    -k "cuda and (invalid or pg1 or page1 or topk_gt or garbage or h1)" 2>&1 | tee "$LOG/sanitizer.log" | tail -4
+  grep -q "ERROR SUMMARY: 0 errors" "$LOG/sanitizer.log" || status=1
+fi
+
+if has bench; then
+  echo "== benchmark"
+  python3 bench/bench_decode.py ${BENCH_ARGS:-} 2>&1 | tee "$LOG/bench.log" || status=1
+fi
+exit $status
