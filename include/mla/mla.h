@@ -4,6 +4,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include "mla/dispatch.h"
 #include "mla/params.h"
 #include "mla/plan.h"
 
@@ -17,8 +18,14 @@ cudaError_t plan_decode(const DecodePlanParams& params, cudaStream_t stream);
 // with programmatic dependent launch when `pdl` is set (sm90+), so it overlaps the attention tail.
 cudaError_t combine(const CombineParams& params, cudaStream_t stream, bool pdl = false);
 
+// Name of the implementation a call of `op` with `features` would run on the current device
+// (honours MLA_KERNELS_IMPL); throws mla::Error when none supports it.
+const char* implementation_name(OpKind op, uint32_t features);
+
 // Decode attention, then the split combine, on `stream`. params.split must hold a plan for these
 // lengths (plan_decode) and a workspace of decode_workspace_bytes(); pointers are device pointers.
+// The implementation comes from the dispatch table (mla/dispatch.h); a call no implementation
+// supports throws mla::Error naming the missing features.
 // Alignment: q, caches and their strides at 16 bytes.
 cudaError_t dense_decode(const DenseDecodeParams& params, cudaStream_t stream);
 cudaError_t sparse_decode(const SparseDecodeParams& params, cudaStream_t stream);

@@ -81,7 +81,7 @@ void plan_and_run(const char* op, Params& p, const Plan& plan, c10::Device devic
     const DeviceContext ctx(op, device);
     if (plan.fresh) ctx.check(cuda_plan_decode(pp, ctx.stream()), "the planner");
     Workspace ws = make_workspace(p.b, p.s_q, p.h_q, plan, device, p.split);
-    ctx.check(cuda_kernel(p, ctx.stream()), "the attention kernel");
+    run_core(op, [&] { ctx.check(cuda_kernel(p, ctx.stream()), "the attention kernel"); });
     return;
   }
   run_core(op, [&] {

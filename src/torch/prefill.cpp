@@ -55,7 +55,7 @@ std::vector<Tensor> sparse_prefill_fwd(const Tensor& q, const Tensor& kv, const 
   if (q.is_cuda()) {
     c.cuda_alignment(kv, "kv", 16, 1);
     const DeviceContext ctx(op, q.device());
-    ctx.check(cuda_sparse_prefill(p, ctx.stream()), "the attention kernel");
+    run_core(op, [&] { ctx.check(cuda_sparse_prefill(p, ctx.stream()), "the attention kernel"); });
   } else {
     run_core(op, [&] { reference::sparse_prefill(p); });
   }

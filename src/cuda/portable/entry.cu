@@ -1,7 +1,7 @@
-// CUDA entry points of the C++ API on the portable kernels: pick the instantiation for the call,
-// launch it on the caller's stream, then the split combine (programmatic dependent launch).
+// The portable kernels as implementations: pick the instantiation for a call, launch it on the
+// caller's stream, then the split combine (programmatic dependent launch).
+#include "../implementations.h"
 #include "launch.cuh"
-#include "mla/mla.h"
 
 MLA_PORTABLE_VARIANTS(MLA_PORTABLE_DECLARE)
 
@@ -42,13 +42,13 @@ cudaError_t dense_for_dim(const DenseDecodeParams& p, cudaStream_t stream) {
 
 }  // namespace
 
-cudaError_t dense_decode(const DenseDecodeParams& p, cudaStream_t stream) {
+cudaError_t portable_dense_decode(const DenseDecodeParams& p, cudaStream_t stream) {
   cudaError_t err = p.d_qk == kHeadDimV32 ? dense_for_dim<576>(p, stream) : dense_for_dim<512>(p, stream);
   if (err != cudaSuccess) return err;
   return combine(combine_params(p.b, p.s_q, p.h_q, p.split, p.o, nullptr), stream, /*pdl=*/true);
 }
 
-cudaError_t sparse_decode(const SparseDecodeParams& p, cudaStream_t stream) {
+cudaError_t portable_sparse_decode(const SparseDecodeParams& p, cudaStream_t stream) {
   const dim3 grid(unsigned(ceil_div(p.h_q, portable::kRows)), unsigned(p.s_q), unsigned(p.split.num_sm_parts));
   cudaError_t err = p.format == KvFormat::kV32 ? portable::launch<SparseProblem<KvFormat::kV32>>(p, grid, stream)
                                                : portable::launch<SparseProblem<KvFormat::kModel1>>(p, grid, stream);
@@ -56,7 +56,7 @@ cudaError_t sparse_decode(const SparseDecodeParams& p, cudaStream_t stream) {
   return combine(combine_params(p.b, p.s_q, p.h_q, p.split, p.o, p.attn_sink), stream, /*pdl=*/true);
 }
 
-cudaError_t sparse_prefill(const SparsePrefillParams& p, cudaStream_t stream) {
+cudaError_t portable_sparse_prefill(const SparsePrefillParams& p, cudaStream_t stream) {
   const dim3 grid(unsigned(p.s_q) * unsigned(ceil_div(p.h_q, portable::kRows)), 1, 1);
   return p.d_qk == kHeadDimV32 ? portable::launch<PrefillProblem<576>>(p, grid, stream)
                                : portable::launch<PrefillProblem<512>>(p, grid, stream);

@@ -1,0 +1,92 @@
+// The implementation table and the CUDA entry points of the C++ API: each call runs the first
+// implementation (fastest first) that supports the GPU and the call's features, or the one
+// MLA_KERNELS_IMPL names.
+#include <cstdlib>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "implementations.h"
+#include "mla/dispatch.h"
+
+namespace mla::cuda {
+
+namespace {
+
+template <typename Params>
+struct Implementation {
+  ImplementationInfo info;
+  cudaError_t (*run)(const Params&, cudaStream_t);
+};
+
+constexpr int kAnyNewer = 1000;
+constexpr uint32_t kDenseAll = kFeatBF16 | kFeatFP16 | kFeatFP8 | kFeatHeadDim576 | kFeatHeadDim512 | kFeatCausal |
+                               kFeatPageSize64 | kFeatOtherPageSize | kFeatHeadsOver64;
+constexpr uint32_t kSparseAll = kFeatBF16 | kFeatHeadDim576 | kFeatHeadDim512 | kFeatV32Format | kFeatModel1Format |
+                                kFeatAttnSink | kFeatTopkLength | kFeatExtraCache | kFeatExtraTopkLength |
+                                kFeatHeadsOver64;
+constexpr uint32_t kPrefillAll = kFeatBF16 | kFeatHeadDim576 | kFeatHeadDim512 | kFeatAttnSink | kFeatTopkLength |
+                                 kFeatHeadsOver64;
+
+const std::vector<Implementation<DenseDecodeParams>> kDense = {
+    {{"portable", OpKind::kDenseDecode, 80, kAnyNewer, kDenseAll}, portable_dense_decode},
+};
+const std::vector<Implementation<SparseDecodeParams>> kSparse = {
+    {{"portable", OpKind::kSparseDecode, 80, kAnyNewer, kSparseAll}, portable_sparse_decode},
+};
+const std::vector<Implementation<SparsePrefillParams>> kPrefill = {
+    {{"portable", OpKind::kSparsePrefill, 80, kAnyNewer, kPrefillAll}, portable_sparse_prefill},
+};
+
+// Compute capability x 10 of the current device, read once per device.
+int current_arch() {
+  static std::mutex mutex;
+  static std::vector<int> archs;
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) return 0;
+  std::lock_guard<std::mutex> lock(mutex);
+  if (int(archs.size()) <= dev) archs.resize(dev + 1, 0);
+  if (archs[dev] == 0) {
+    int major = 0, minor = 0;
+    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+    cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
+    archs[dev] = major * 10 + minor;
+  }
+  return archs[dev];
+}
+
+std::string forced_implementation() {
+  const char* env = std::getenv("MLA_KERNELS_IMPL");
+  return env ? env : "";
+}
+
+template <typename Params>
+cudaError_t run(const std::vector<Implementation<Params>>& table, OpKind op, const Params& p, cudaStream_t stream) {
+  std::vector<ImplementationInfo> infos;
+  for (const auto& impl : table) infos.push_back(impl.info);
+  const int i = select_implementation(infos, op, current_arch(), required_features(p), forced_implementation());
+  return table[i].run(p, stream);
+}
+
+}  // namespace
+
+const char* implementation_name(OpKind op, uint32_t features) {
+  std::vector<ImplementationInfo> infos;
+  auto collect = [&](const auto& table) {
+    for (const auto& impl : table) infos.push_back(impl.info);
+  };
+  collect(kDense), collect(kSparse), collect(kPrefill);
+  return infos[select_implementation(infos, op, current_arch(), features, forced_implementation())].name;
+}
+
+cudaError_t dense_decode(const DenseDecodeParams& p, cudaStream_t stream) {
+  return run(kDense, OpKind::kDenseDecode, p, stream);
+}
+cudaError_t sparse_decode(const SparseDecodeParams& p, cudaStream_t stream) {
+  return run(kSparse, OpKind::kSparseDecode, p, stream);
+}
+cudaError_t sparse_prefill(const SparsePrefillParams& p, cudaStream_t stream) {
+  return run(kPrefill, OpKind::kSparsePrefill, p, stream);
+}
+
+}  // namespace mla::cuda

@@ -1,0 +1,15 @@
+// Every CUDA implementation of every op, declared for the dispatch table (dispatch.cu).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include "mla/mla.h"
+
+namespace mla::cuda {
+
+// Portable kernels (sm80+): the whole envelope of SPEC §6.
+cudaError_t portable_dense_decode(const DenseDecodeParams& params, cudaStream_t stream);
+cudaError_t portable_sparse_decode(const SparseDecodeParams& params, cudaStream_t stream);
+cudaError_t portable_sparse_prefill(const SparsePrefillParams& params, cudaStream_t stream);
+
+}  // namespace mla::cuda
