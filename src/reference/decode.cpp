@@ -8,6 +8,7 @@
 
 #include "mla/formats.h"
 #include "mla/reference.h"
+#include "mla/sparse_slots.h"
 #include "mla/validate.h"
 #include "online_softmax.h"
 
@@ -174,20 +175,13 @@ class SparseProblem final : public DecodeProblem {
   }
 
   int gather(int i, int blk, int s, int, float* keys, uint8_t* valid) const override {
-    const int main_blocks = sparse_main_blocks(plan, i);
-    const bool is_main = blk < main_blocks;
-    const SparseKvCache& cache = is_main ? p_.kv : p_.extra_kv;
-    const int slots = is_main ? p_.topk : p_.extra_topk;
-    const int len = is_main ? sparse_main_len(plan, i) : sparse_extra_len(plan, i);
-    const int32_t* idx = is_main ? p_.indices + i * p_.indices_stride_b + s * p_.indices_stride_s
-                                 : p_.extra_indices + i * p_.extra_indices_stride_b + s * p_.extra_indices_stride_s;
-    const int slot0 = (is_main ? blk : blk - main_blocks) * kPlanBlockSize;
-    const int n = std::max(std::min(kPlanBlockSize, slots - slot0), 0);
-    const int64_t num_tokens = int64_t(cache.num_blocks) * cache.page_block_size;
+    const SparseBlockSlots src = sparse_block_slots(p_, plan, i, s, blk);
+    const SparseKvCache& cache = *src.cache;
+    const int n = std::max(std::min(kPlanBlockSize, src.slots - src.slot0), 0);
     for (int t = 0; t < n; ++t) {
-      const int slot = slot0 + t;
-      const int64_t tok = idx[slot];
-      valid[t] = slot < len && tok >= 0 && tok < num_tokens;
+      const int slot = src.slot0 + t;
+      const int64_t tok = slot < src.len ? src.indices[slot] : -1;
+      valid[t] = sparse_token_in_cache(cache, tok);
       if (!valid[t]) continue;
       const uint8_t* block = cache.data + (tok / cache.page_block_size) * cache.stride_block;
       dequantize_token(p_.format, block, cache.page_block_size, int(tok % cache.page_block_size),

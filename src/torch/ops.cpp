@@ -1,4 +1,4 @@
-// Op schemas (sgl-kernel's, argument for argument) and their CPU kernels. Fake kernels, for
+// Op schemas (sgl-kernel's, argument for argument) and their CPU and CUDA kernels. Fake kernels, for
 // torch.compile, are registered in python/mla_kernels/_ops.py.
 #include <torch/library.h>
 
@@ -36,7 +36,10 @@ TORCH_LIBRARY(mla_kernels, m) {
   m.def("dequantize_kv_fp8(Tensor kv, str fmt) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(mla_kernels, CPU, m) {
+namespace {
+
+// The op functions are device-generic: they run on q's device and its current stream.
+void register_attention_ops(torch::Library& m) {
   using namespace mla::torch_ops;
   m.impl("get_mla_decoding_metadata", &get_mla_decoding_metadata);
   m.impl("get_mla_decoding_metadata_dense_fp8", &get_mla_decoding_metadata_dense_fp8);
@@ -45,20 +48,16 @@ TORCH_LIBRARY_IMPL(mla_kernels, CPU, m) {
   m.impl("dense_decode_fwd", &dense_decode_fwd);
   m.impl("sparse_decode_fwd", &sparse_decode_fwd);
   m.impl("sparse_prefill_fwd", &sparse_prefill_fwd);
-  m.impl("quantize_kv_fp8", &quantize_kv_fp8);
-  m.impl("dequantize_kv_fp8", &dequantize_kv_fp8);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(mla_kernels, CPU, m) {
+  register_attention_ops(m);
+  m.impl("quantize_kv_fp8", &mla::torch_ops::quantize_kv_fp8);
+  m.impl("dequantize_kv_fp8", &mla::torch_ops::dequantize_kv_fp8);
 }
 
 #if defined(MLA_KERNELS_WITH_CUDA)
-// The op functions are device-generic: they run on q's device and its current stream.
-TORCH_LIBRARY_IMPL(mla_kernels, CUDA, m) {
-  using namespace mla::torch_ops;
-  m.impl("get_mla_decoding_metadata", &get_mla_decoding_metadata);
-  m.impl("get_mla_decoding_metadata_dense_fp8", &get_mla_decoding_metadata_dense_fp8);
-  m.impl("fwd_kvcache_mla", &fwd_kvcache_mla);
-  m.impl("fwd_kvcache_mla_fp8", &fwd_kvcache_mla_fp8);
-  m.impl("dense_decode_fwd", &dense_decode_fwd);
-  m.impl("sparse_decode_fwd", &sparse_decode_fwd);
-  m.impl("sparse_prefill_fwd", &sparse_prefill_fwd);
-}
+TORCH_LIBRARY_IMPL(mla_kernels, CUDA, m) { register_attention_ops(m); }
 #endif

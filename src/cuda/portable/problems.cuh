@@ -9,6 +9,7 @@
 #include <type_traits>
 
 #include "attention.cuh"
+#include "mla/sparse_slots.h"
 
 namespace mla::cuda::portable {
 
@@ -285,20 +286,12 @@ struct SparseProblem {
   __device__ void fetch(const WorkItem& item, int stage, Prefetch& f, MmaT (*)[kHeadDim + kPad], uint8_t* valid,
                         int* pos) const {
     constexpr int kStagesPerBlock = kPlanBlockSize / kStageKeys;
-    const int i = item.req, s = blockIdx.y;
-    const DecodePlanParams pp = plan();
-    const int blk = stage / kStagesPerBlock, main_blocks = sparse_main_blocks(pp, i);
-    const bool is_main = blk < main_blocks;
-    const SparseKvCache& cache = is_main ? p.kv : p.extra_kv;
-    const int slots = is_main ? p.topk : p.extra_topk;
-    const int len = is_main ? sparse_main_len(pp, i) : sparse_extra_len(pp, i);
-    const int32_t* idx = is_main ? p.indices + i * p.indices_stride_b + s * p.indices_stride_s
-                                 : p.extra_indices + i * p.extra_indices_stride_b + s * p.extra_indices_stride_s;
+    const SparseBlockSlots src = sparse_block_slots(p, plan(), item.req, blockIdx.y, stage / kStagesPerBlock);
+    const SparseKvCache& cache = *src.cache;
     const int slot_local = threadIdx.x / 4, quarter = threadIdx.x % 4;
-    const int slot = ((is_main ? blk : blk - main_blocks) * kStagesPerBlock + stage % kStagesPerBlock) * kStageKeys +
-                     slot_local;
-    const int64_t tok = slot < len ? idx[slot] : -1;  // slots past the length are never read
-    f.ok = slot < slots && tok >= 0 && tok < int64_t(cache.num_blocks) * cache.page_block_size;
+    const int slot = src.slot0 + (stage % kStagesPerBlock) * kStageKeys + slot_local;
+    const int64_t tok = slot < src.len ? src.indices[slot] : -1;  // slots past the length are never read
+    f.ok = sparse_token_in_cache(cache, tok);
     if (quarter == 0) {
       valid[slot_local] = f.ok;
       pos[slot_local] = slot;
