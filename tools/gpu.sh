@@ -6,6 +6,7 @@
 #
 #   bash tools/gpu.sh                      # everything
 #   STEPS=build,pytest bash tools/gpu.sh   # a subset of: build, ctest, pytest, sanitize, bench
+#   PYTEST_ARGS="-m cuda -k 'sparse or graph'" BENCH_ARGS=--no-torch bash tools/gpu.sh
 # Logs go to $OUT when set (the device tool's output folder), else build/gpu-logs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -32,7 +33,8 @@ fi
 
 if has pytest; then
   echo "== pytest (CPU and CUDA)"
-  python3 -m pytest tests/python -q -p no:cacheprovider -rfs ${PYTEST_ARGS:-} 2>&1 | tee "$LOG/pytest.log" | grep -E "passed|failed|FAILED|ERROR" | tail -25
+  eval "set -- ${PYTEST_ARGS:-}"  # PYTEST_ARGS may hold quoted arguments, e.g. -k 'cuda and sparse'
+  python3 -m pytest tests/python -q -p no:cacheprovider -rfs "$@" 2>&1 | tee "$LOG/pytest.log" | grep -E "passed|failed|FAILED|ERROR" | tail -25
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 
