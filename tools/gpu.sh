@@ -7,7 +7,9 @@
 #   bash tools/gpu.sh                      # everything
 #   STEPS=build,pytest bash tools/gpu.sh   # a subset of: build, ctest, pytest, sanitize, bench
 #   PYTEST_ARGS="-m cuda -k 'sparse or graph'" BENCH_ARGS=--no-torch bash tools/gpu.sh
-# Logs go to $OUT when set (the device tool's output folder), else build/gpu-logs.
+# Logs go to $OUT when set (the device tool's output folder), else build/gpu-logs. The C++ test
+# binaries link CUDA and GoogleTest statically, so they can be built on a machine without a GPU
+# (cmake -S . -B build/cuda && cmake --build build/cuda) and carried (build/cuda/mla_*_tests).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 LOG=${OUT:-build/gpu-logs}

@@ -84,9 +84,6 @@ MLA_HD int plan_blocks(const DecodePlanParams& p, int i) {
   return n > 0 ? n : 1;
 }
 
-// The planner's flag for "request i has no work": a dense request of length 0.
-MLA_HD bool request_empty(const DecodePlanParams& p, int i) { return request_blocks(p, i) == 0; }
-
 // One piece of a part: request `req`, blocks [block_begin, block_end).
 struct PlanPiece {
   int req;
@@ -112,11 +109,18 @@ MLA_HD PlanPiece plan_piece(const PlanRow& row, const int32_t* num_splits, int k
   return pc;
 }
 
-// The greedy fill, given total = sum over requests of plan_blocks + kPlanFixedOverheadBlocks.
-// Writes every PlanRow and num_splits[1..b]; returns how many requests it consumed (b, always).
-MLA_HD int plan_fill(const DecodePlanParams& p, long long total) {
+// The greedy fill, given total = sum over requests of plan blocks + kPlanFixedOverheadBlocks.
+// `blocks(i)` is request_blocks(p, i) (0 for an empty dense request); the device planner passes a
+// copy staged in shared memory. Writes every PlanRow and num_splits[1..b]; returns how many
+// requests it consumed (b, always).
+template <typename Blocks>
+MLA_HD int plan_fill(const DecodePlanParams& p, long long total, const Blocks& blocks) {
   const int F = kPlanFixedOverheadBlocks;
   const int payload = int((total + p.num_sm_parts - 1) / p.num_sm_parts) + F;
+  auto charged = [&](int i) {  // an empty request still costs one block
+    const int n = blocks(i);
+    return n > 0 ? n : 1;
+  };
   PlanRow* rows = reinterpret_cast<PlanRow*>(p.tile_scheduler_metadata);
   int req = 0, blk = 0, nsplit = 0, cum = 0;
   p.num_splits[0] = 0;
@@ -128,7 +132,7 @@ MLA_HD int plan_fill(const DecodePlanParams& p, long long total) {
     const bool first_split = blk != 0;
     int remain = payload;
     while (req < p.b) {
-      const int left = plan_blocks(p, req) - blk;
+      const int left = charged(req) - blk;
       if (remain >= left + F) {
         cum += nsplit + 1;
         p.num_splits[req + 1] = cum;
@@ -149,10 +153,10 @@ MLA_HD int plan_fill(const DecodePlanParams& p, long long total) {
       r.end_block = blk;
     } else {
       r.end_req = req - 1;
-      r.end_block = req > 0 && !request_empty(p, req - 1) ? plan_blocks(p, req - 1) : 0;
+      r.end_block = req > 0 && blocks(req - 1) > 0 ? charged(req - 1) : 0;
     }
-    const bool last_split = r.end_req >= 0 && r.end_req < p.b && r.end_block != plan_blocks(p, r.end_req) &&
-                            !request_empty(p, r.end_req);
+    const bool last_split =
+        r.end_req >= 0 && r.end_req < p.b && r.end_block != charged(r.end_req) && blocks(r.end_req) > 0;
     r.first_split = first_split;
     r.last_split = last_split;
     if (r.begin_req == r.end_req) r.first_split = r.last_split = first_split || last_split;

@@ -23,7 +23,7 @@ void plan_decode_host(const DecodePlanParams& p) {
   check_lengths(p);
   long long total = 0;
   for (int i = 0; i < p.b; ++i) total += plan_blocks(p, i) + kPlanFixedOverheadBlocks;
-  const int consumed = plan_fill(p, total);
+  const int consumed = plan_fill(p, total, [&](int i) { return request_blocks(p, i); });
   // The payload guarantees every request is consumed; anything else is a planner bug.
   MLA_CHECK(consumed == p.b, "internal error: the plan left requests ", consumed, "..", p.b - 1, " unassigned");
 }

@@ -1,7 +1,8 @@
-// Device planner: one warp. The lanes add up the cost of every request, then lane 0 runs the
-// greedy fill shared with the host planner (plan.h), so device and host plans are identical.
-// Cost: O(b + num_sm_parts) on one thread, a few microseconds at b = 128; no shared memory, so
-// there is no limit on b.
+// Device planner: one warp. The lanes read every request's length once, in parallel, stage its
+// block count in shared memory and add up the costs; then lane 0 runs the greedy fill shared with
+// the host planner (plan.h), so device and host plans are identical. The sequential fill reads
+// shared memory, not global memory: O(b + num_sm_parts) steps of a few cycles. Batches too large
+// for the staging buffer (more than 12288 requests) read the lengths from global memory instead.
 #include <cuda_runtime.h>
 
 #include "mla/mla.h"
@@ -12,18 +13,33 @@ namespace {
 
 constexpr int kWarpSize = 32;
 
-__global__ void __launch_bounds__(kWarpSize) plan_decode_kernel(DecodePlanParams p) {
+constexpr int kMaxStagedRequests = 48 * 1024 / int(sizeof(int));  // the default dynamic shared-memory limit
+
+__global__ void __launch_bounds__(kWarpSize) plan_decode_kernel(DecodePlanParams p, bool staged) {
+  extern __shared__ int blocks_of[];
   long long total = 0;
-  for (int i = threadIdx.x; i < p.b; i += kWarpSize) total += plan_blocks(p, i) + kPlanFixedOverheadBlocks;
+  for (int i = threadIdx.x; i < p.b; i += kWarpSize) {
+    const int n = request_blocks(p, i);
+    if (staged) blocks_of[i] = n;
+    total += (n > 0 ? n : 1) + kPlanFixedOverheadBlocks;
+  }
   for (int offset = kWarpSize / 2; offset > 0; offset /= 2) total += __shfl_xor_sync(0xffffffffu, total, offset);
-  if (threadIdx.x == 0) plan_fill(p, total);
+  __syncwarp();
+  if (threadIdx.x != 0) return;
+  if (staged) {
+    plan_fill(p, total, [&](int i) { return blocks_of[i]; });
+  } else {
+    plan_fill(p, total, [&](int i) { return request_blocks(p, i); });
+  }
 }
 
 }  // namespace
 
 cudaError_t plan_decode(const DecodePlanParams& params, cudaStream_t stream) {
   if (params.b <= 0 || params.num_sm_parts <= 0) return cudaErrorInvalidValue;
-  plan_decode_kernel<<<1, kWarpSize, 0, stream>>>(params);
+  const bool staged = params.b <= kMaxStagedRequests;
+  const size_t smem = staged ? size_t(params.b) * sizeof(int) : 0;
+  plan_decode_kernel<<<1, kWarpSize, smem, stream>>>(params, staged);
   return cudaGetLastError();
 }
 
