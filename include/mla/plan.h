@@ -15,6 +15,7 @@
 
 #include <cstdint>
 
+#include "mla/params.h"
 #include "mla/types.h"
 
 #if defined(__CUDACC__)
@@ -45,6 +46,7 @@ struct DecodePlanParams {
   int b = 0;
   int num_sm_parts = 1;
   const int32_t* seqlens_k = nullptr;          // [b] dense: KV length of each request
+  int max_seqlen = 0x7fffffff;                 // dense: lengths past what the block table holds are clamped
   int topk = 0;                                // sparse: main top-k slots per query row
   const int32_t* topk_length = nullptr;        // [b] sparse, optional: valid main slots
   int extra_topk = 0;                          // sparse: extra-cache slots per row (0: none)
@@ -53,7 +55,8 @@ struct DecodePlanParams {
   int32_t* num_splits = nullptr;               // [b + 1] out
 };
 
-MLA_HD int ceil_div(int a, int b) { return (a + b - 1) / b; }
+// ceil(a / b) for a >= 0, b > 0, without overflow near INT_MAX.
+MLA_HD int ceil_div(int a, int b) { return a / b + (a % b != 0); }
 MLA_HD int clamp_len(int v, int hi) { return v < 0 ? 0 : (v > hi ? hi : v); }
 
 // Valid main / extra slots of request i of a sparse call.
@@ -72,9 +75,12 @@ MLA_HD int sparse_main_blocks(const DecodePlanParams& p, int i) {
   return n > 0 ? n : 1;
 }
 
+// KV length of request i of a dense call, clamped to [0, max_seqlen].
+MLA_HD int dense_len(const DecodePlanParams& p, int i) { return clamp_len(p.seqlens_k[i], p.max_seqlen); }
+
 // Blocks of work request i has: dense ceil(len / 64) (0 when empty), sparse main + extra blocks.
 MLA_HD int request_blocks(const DecodePlanParams& p, int i) {
-  if (p.seqlens_k) return ceil_div(p.seqlens_k[i] < 0 ? 0 : p.seqlens_k[i], kPlanBlockSize);
+  if (p.seqlens_k) return ceil_div(dense_len(p, i), kPlanBlockSize);
   return sparse_main_blocks(p, i) + ceil_div(sparse_extra_len(p, i), kPlanBlockSize);
 }
 
@@ -94,18 +100,21 @@ struct PlanPiece {
 };
 
 // The k-th request a part runs (k = 0 .. end_req - begin_req), as a piece. `total_blocks` is
-// request_blocks() of that request; ranges are clamped to it so a plan never reads past the work.
+// request_blocks() of that request now. A request's first piece starts at block 0 and its last
+// piece runs to its last block, whatever lengths the plan was made for: a plan reused after the
+// lengths changed still covers every block (ranges are clamped, so none reads past the work).
 MLA_HD PlanPiece plan_piece(const PlanRow& row, const int32_t* num_splits, int k, int total_blocks) {
   PlanPiece pc;
   pc.req = row.begin_req + k;
   const bool first = k == 0;
   const bool last = pc.req == row.end_req;
-  pc.block_begin = first ? row.begin_block : 0;
-  pc.block_end = last ? row.end_block : total_blocks;
-  if (pc.block_end > total_blocks) pc.block_end = total_blocks;
-  if (pc.block_begin > pc.block_end) pc.block_begin = pc.block_end;
   pc.is_split = (first && row.first_split) || (last && row.last_split);
   pc.split_index = num_splits[pc.req] + (first ? row.begin_split : 0);
+  const bool last_piece = !pc.is_split || pc.split_index == num_splits[pc.req + 1] - 1;
+  pc.block_begin = first ? row.begin_block : 0;
+  pc.block_end = last && !last_piece ? row.end_block : total_blocks;
+  if (pc.block_end > total_blocks) pc.block_end = total_blocks;
+  if (pc.block_begin > pc.block_end) pc.block_begin = pc.block_end;
   return pc;
 }
 
@@ -168,12 +177,39 @@ MLA_HD int plan_fill(const DecodePlanParams& p, long long total, const Blocks& b
 
 // Number of parts for a call, from the number of SMs (or CPU "virtual SMs") available. Dense decode
 // folds s_q * h_q / h_k query rows into 64-row tiles; sparse decode runs 64 heads per CTA.
+// The planner's view of a decode call (its plan pointers are those of p.split).
+MLA_HD DecodePlanParams dense_plan_params(const DenseDecodeParams& p) {
+  DecodePlanParams pp;
+  pp.b = p.b;
+  pp.num_sm_parts = p.split.num_sm_parts;
+  pp.seqlens_k = p.seqlens_k;
+  const long long capacity = (long long)p.max_blocks_per_seq * p.page_block_size;
+  pp.max_seqlen = capacity < 0x7fffffff ? int(capacity) : 0x7fffffff;
+  pp.tile_scheduler_metadata = const_cast<int32_t*>(p.split.tile_scheduler_metadata);
+  pp.num_splits = const_cast<int32_t*>(p.split.num_splits);
+  return pp;
+}
+MLA_HD DecodePlanParams sparse_plan_params(const SparseDecodeParams& p) {
+  DecodePlanParams pp;
+  pp.b = p.b;
+  pp.num_sm_parts = p.split.num_sm_parts;
+  pp.topk = p.topk;
+  pp.topk_length = p.topk_length;
+  pp.extra_topk = p.extra_kv.data ? p.extra_topk : 0;
+  pp.extra_topk_length = p.extra_kv.data ? p.extra_topk_length : nullptr;
+  pp.tile_scheduler_metadata = const_cast<int32_t*>(p.split.tile_scheduler_metadata);
+  pp.num_splits = const_cast<int32_t*>(p.split.num_splits);
+  return pp;
+}
+
+// Shapes the checks will reject still get one part, never a division by zero.
 inline int num_sm_parts_dense(int num_sms, int s_q, int h_q, int h_k) {
-  const int rows = s_q * (h_q / h_k);
-  const int parts = num_sms / h_k / ceil_div(rows, 64);
+  if (s_q <= 0 || h_q <= 0 || h_k <= 0 || h_q % h_k != 0) return 1;
+  const int parts = num_sms / h_k / ceil_div(s_q * (h_q / h_k), 64);
   return parts > 1 ? parts : 1;
 }
 inline int num_sm_parts_sparse(int num_sms, int s_q, int h_q) {
+  if (s_q <= 0 || h_q <= 0) return 1;
   const int parts = num_sms / s_q / ceil_div(h_q, 64);
   return parts > 1 ? parts : 1;
 }

@@ -14,10 +14,6 @@ namespace mla::reference {
 // machine, whatever its core count.
 constexpr int kVirtualSms = 32;
 
-// Planner input describing the work of a decode call.
-DecodePlanParams plan_params(const DenseDecodeParams& p);
-DecodePlanParams plan_params(const SparseDecodeParams& p);
-
 // Decode with the plan in p.split (made by plan_decode_host for these lengths, possibly by an
 // earlier call) and its workspace; writes p.o. A plan that does not match the lengths is an error.
 void dense_decode(const DenseDecodeParams& p);

@@ -16,7 +16,7 @@ struct SparseBlockSlots {
   int len;                     // valid entries (topk_length / extra_topk_length, clamped)
 };
 
-// Plan block `blk` of request i, query row s. `plan` is plan_params(p).
+// Plan block `blk` of request i, query row s. `plan` is sparse_plan_params(p).
 MLA_HD SparseBlockSlots sparse_block_slots(const SparseDecodeParams& p, const DecodePlanParams& plan, int i, int s,
                                            int blk) {
   const int main_blocks = sparse_main_blocks(plan, i);

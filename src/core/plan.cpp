@@ -1,5 +1,6 @@
 #include "mla/plan.h"
 
+#include <algorithm>
 #include <vector>
 
 namespace mla {
@@ -38,39 +39,38 @@ void check_plan_matches(const DecodePlanParams& p) {
   MLA_CHECK(ns[p.b] <= p.b + p.num_sm_parts, "num_splits[b] = ", ns[p.b], " exceeds b + num_sm_parts = ",
             p.b + p.num_sm_parts);
 
-  // For every request: the next block and the next piece we expect to see, parts in order.
+  // Walk the plan as the kernels do (plan_piece) and check that each request's pieces follow one
+  // another from block 0 to its last block, numbered 0..n-1 as num_splits says. A plan made for
+  // other lengths of the same batch passes (its pieces are clamped and its last piece runs to the
+  // end); a plan for another batch, or one that is not a plan, does not.
   std::vector<int> next_block(p.b, 0), next_piece(p.b, 0);
   const auto* rows = reinterpret_cast<const PlanRow*>(p.tile_scheduler_metadata);
-  const char* hint = "; was the plan made for other cache_seqlens / topk_length values?";
+  const char* hint = "; was the plan made for another batch?";
   for (int part = 0; part < p.num_sm_parts; ++part) {
     const PlanRow& r = rows[part];
     if (r.begin_req >= p.b || r.end_req < r.begin_req) continue;
-    MLA_CHECK(r.begin_req >= 0 && r.end_req < p.b, "tile_scheduler_metadata row ", part, " names requests ", r.begin_req,
-              "..", r.end_req, " outside [0, ", p.b, ")");
+    MLA_CHECK(r.begin_req >= 0 && r.end_req < p.b, "tile_scheduler_metadata row ", part, " names requests ",
+              r.begin_req, "..", r.end_req, " outside [0, ", p.b, ")", hint);
     for (int k = 0; k <= r.end_req - r.begin_req; ++k) {
       const int i = r.begin_req + k;
       const int total = request_blocks(p, i);
-      const bool last = i == r.end_req;
-      const int begin = k == 0 ? r.begin_block : 0;
-      const int end = last ? r.end_block : total;
       const int piece = k == 0 ? r.begin_split : 0;
-      MLA_CHECK(begin == next_block[i] && end >= begin && end <= (total > 0 ? total : 0),
-                "tile_scheduler_metadata row ", part, " covers blocks [", begin, ", ", end, ") of request ", i,
-                " which has ", total, " blocks, next expected block ", next_block[i], hint);
       MLA_CHECK(piece == next_piece[i], "tile_scheduler_metadata row ", part, " runs piece ", piece, " of request ", i,
                 ", expected piece ", next_piece[i], hint);
-      const bool is_split = (k == 0 && r.first_split) || (last && r.last_split);
-      MLA_CHECK(is_split == (ns[i + 1] - ns[i] > 1), "tile_scheduler_metadata row ", part, " marks request ", i,
-                is_split ? " split" : " whole", " but num_splits gives it ", ns[i + 1] - ns[i], " pieces", hint);
-      next_block[i] = end;
+      const PlanPiece pc = plan_piece(r, ns, k, total);
+      MLA_CHECK(pc.is_split == (ns[i + 1] - ns[i] > 1), "tile_scheduler_metadata row ", part, " marks request ", i,
+                pc.is_split ? " split" : " whole", " but num_splits gives it ", ns[i + 1] - ns[i], " pieces", hint);
+      MLA_CHECK(pc.block_begin == std::min(next_block[i], total), "tile_scheduler_metadata row ", part,
+                " starts request ", i, " at block ", pc.block_begin, ", expected block ", next_block[i], hint);
+      next_block[i] = std::max(next_block[i], pc.block_end);
       ++next_piece[i];
     }
   }
   for (int i = 0; i < p.b; ++i) {
-    MLA_CHECK(next_block[i] == request_blocks(p, i), "the plan covers ", next_block[i], " of the ",
-              request_blocks(p, i), " blocks of request ", i, hint);
     MLA_CHECK(next_piece[i] == ns[i + 1] - ns[i], "num_splits gives request ", i, " ", ns[i + 1] - ns[i],
               " pieces but tile_scheduler_metadata has ", next_piece[i], hint);
+    MLA_CHECK(next_block[i] == request_blocks(p, i), "the plan covers ", next_block[i], " of the ",
+              request_blocks(p, i), " blocks of request ", i, hint);
   }
 }
 

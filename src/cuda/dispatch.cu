@@ -38,8 +38,9 @@ const std::vector<Implementation<SparsePrefillParams>> kPrefill = {
     {{"portable", OpKind::kSparsePrefill, 80, kAnyNewer, kPrefillAll}, portable_sparse_prefill},
 };
 
-// Compute capability x 10 of the current device, read once per device.
-int current_arch() {
+}  // namespace
+
+int device_arch() {
   static std::mutex mutex;
   static std::vector<int> archs;
   int dev = 0;
@@ -55,6 +56,8 @@ int current_arch() {
   return archs[dev];
 }
 
+namespace {
+
 std::string forced_implementation() {
   const char* env = std::getenv("MLA_KERNELS_IMPL");
   return env ? env : "";
@@ -64,7 +67,7 @@ template <typename Params>
 cudaError_t run(const std::vector<Implementation<Params>>& table, OpKind op, const Params& p, cudaStream_t stream) {
   std::vector<ImplementationInfo> infos;
   for (const auto& impl : table) infos.push_back(impl.info);
-  const int i = select_implementation(infos, op, current_arch(), required_features(p), forced_implementation());
+  const int i = select_implementation(infos, op, device_arch(), required_features(p), forced_implementation());
   return table[i].run(p, stream);
 }
 
@@ -76,7 +79,7 @@ const char* implementation_name(OpKind op, uint32_t features) {
     for (const auto& impl : table) infos.push_back(impl.info);
   };
   collect(kDense), collect(kSparse), collect(kPrefill);
-  return infos[select_implementation(infos, op, current_arch(), features, forced_implementation())].name;
+  return infos[select_implementation(infos, op, device_arch(), features, forced_implementation())].name;
 }
 
 cudaError_t dense_decode(const DenseDecodeParams& p, cudaStream_t stream) {

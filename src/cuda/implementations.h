@@ -7,6 +7,9 @@
 
 namespace mla::cuda {
 
+// Compute capability x 10 of the current device (read once per device).
+int device_arch();
+
 // Portable kernels (sm80+): the whole envelope of SPEC §6.
 cudaError_t portable_dense_decode(const DenseDecodeParams& params, cudaStream_t stream);
 cudaError_t portable_sparse_decode(const SparseDecodeParams& params, cudaStream_t stream);

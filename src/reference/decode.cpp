@@ -118,7 +118,7 @@ class DenseProblem final : public DecodeProblem {
  public:
   explicit DenseProblem(const DenseDecodeParams& p) : p_(p) {
     b = p.b, s_q = p.s_q, h_q = p.h_q, h_k = p.h_k, d_qk = p.d_qk, d_v = p.d_v;
-    plan = plan_params(p);
+    plan = dense_plan_params(p);
     split = p.split;
     o = p.o;
   }
@@ -162,7 +162,7 @@ class SparseProblem final : public DecodeProblem {
  public:
   explicit SparseProblem(const SparseDecodeParams& p) : p_(p) {
     b = p.b, s_q = p.s_q, h_q = p.h_q, h_k = 1, d_qk = p.d_qk, d_v = p.d_v;
-    plan = plan_params(p);
+    plan = sparse_plan_params(p);
     split = p.split;
     o = p.o;
     attn_sink = p.attn_sink;
@@ -247,29 +247,6 @@ void combine(const CombineParams& p) {
       }
     }
   });
-}
-
-DecodePlanParams plan_params(const DenseDecodeParams& p) {
-  DecodePlanParams pp;
-  pp.b = p.b;
-  pp.num_sm_parts = p.split.num_sm_parts;
-  pp.seqlens_k = p.seqlens_k;
-  pp.tile_scheduler_metadata = const_cast<int32_t*>(p.split.tile_scheduler_metadata);
-  pp.num_splits = const_cast<int32_t*>(p.split.num_splits);
-  return pp;
-}
-
-DecodePlanParams plan_params(const SparseDecodeParams& p) {
-  DecodePlanParams pp;
-  pp.b = p.b;
-  pp.num_sm_parts = p.split.num_sm_parts;
-  pp.topk = p.topk;
-  pp.topk_length = p.topk_length;
-  pp.extra_topk = p.extra_kv.data ? p.extra_topk : 0;
-  pp.extra_topk_length = p.extra_kv.data ? p.extra_topk_length : nullptr;
-  pp.tile_scheduler_metadata = const_cast<int32_t*>(p.split.tile_scheduler_metadata);
-  pp.num_splits = const_cast<int32_t*>(p.split.num_splits);
-  return pp;
 }
 
 void dense_decode(const DenseDecodeParams& p) {

@@ -100,12 +100,6 @@ class ArgChecker {
                     elem, "-byte elements)");
   }
 
-  // Strides handed to kernels are int32 on the GPU.
-  void strides_fit_int32(const Tensor& t, const char* name) const {
-    for (int64_t s : t.strides())
-      MLA_TORCH_CHECK(s <= INT32_MAX, op_, ": ", name, " has a stride ", s, " that exceeds the int32 range");
-  }
-
  private:
   const char* op_;
   c10::Device device_;

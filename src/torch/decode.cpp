@@ -69,13 +69,16 @@ Workspace make_workspace(int b, int s_q, int h_q, const Plan& plan, c10::Device 
   return ws;
 }
 
+DecodePlanParams plan_params_of(const DenseDecodeParams& p) { return dense_plan_params(p); }
+DecodePlanParams plan_params_of(const SparseDecodeParams& p) { return sparse_plan_params(p); }
+
 // Validates the params, plans when the call brought no plan (on the device, no host sync),
 // allocates the split workspace and runs the op's kernel on q's device and current stream.
 template <typename Params, typename CpuKernel, typename CudaKernel>
 void plan_and_run(const char* op, Params& p, const Plan& plan, c10::Device device, CpuKernel&& cpu_kernel,
                   CudaKernel&& cuda_kernel) {
   run_core(op, [&] { validate(p); });
-  DecodePlanParams pp = reference::plan_params(p);
+  DecodePlanParams pp = plan_params_of(p);
   fill_plan(pp, plan);
   if (device.is_cuda()) {
     const DeviceContext ctx(op, device);
@@ -143,8 +146,6 @@ DecodeResult dense_decode(const char* op, const DenseArgs& a, bool fp8) {
   c.shape(a.seqlens_k, "seqlens_k", {b}, "[b]");
   MLA_TORCH_CHECK(a.block_table.size(0) == b, op, ": block_table must have b = ", b, " rows, got shape ",
               a.block_table.sizes());
-  for (auto [t, name] : {std::pair{&a.q, "q"}, {&a.kcache, "kcache"}, {&a.block_table, "block_table"}})
-    c.strides_fit_int32(*t, name);
 
   Tensor descale_q, descale_k;
   if (fp8) {
@@ -162,7 +163,7 @@ DecodeResult dense_decode(const char* op, const DenseArgs& a, bool fp8) {
   }
 
   const Tensor seqlens = a.seqlens_k;
-  const int parts_if_planned = h_k > 0 && h_q % h_k == 0 ? num_sm_parts_dense(num_sms(a.q.device()), s_q, h_q, h_k) : 1;
+  const int parts_if_planned = num_sm_parts_dense(num_sms(a.q.device()), s_q, h_q, h_k);
   Plan plan = take_plan(c, b, parts_if_planned, a.tile_scheduler_metadata, a.num_splits, a.q.device());
 
   auto out_dtype = fp8 ? at::kBFloat16 : a.q.scalar_type();
@@ -227,16 +228,16 @@ std::vector<Tensor> get_mla_decoding_metadata(const Tensor& seqlens_k, int64_t n
   c.contiguous(seqlens_k, "seqlens_k");
   const int b = int(seqlens_k.size(0));
   MLA_TORCH_CHECK(b > 0, op, ": seqlens_k must have b > 0 entries, got ", b);
-  MLA_TORCH_CHECK(h_k > 0, op, ": h_k must be > 0, got ", h_k);
-  MLA_TORCH_CHECK(num_q_tokens_per_head_k > 0, op, ": num_q_tokens_per_head_k must be > 0, got ",
-              num_q_tokens_per_head_k);
+  MLA_TORCH_CHECK(h_k > 0 && h_k <= INT32_MAX, op, ": h_k must be in [1, 2^31), got ", h_k);
+  MLA_TORCH_CHECK(num_q_tokens_per_head_k > 0 && num_q_tokens_per_head_k <= INT32_MAX, op,
+                  ": num_q_tokens_per_head_k must be in [1, 2^31), got ", num_q_tokens_per_head_k);
   const Tensor seqlens = seqlens_k;
   DecodePlanParams pp;
   pp.b = b;
   if (topk.has_value()) {
     MLA_TORCH_CHECK(h_q.has_value(), op, ": num_heads_q (h_q) is required when topk is given");
     MLA_TORCH_CHECK(is_fp8_kvcache, op, ": sparse decode (topk given) needs is_fp8_kvcache=True");
-    MLA_TORCH_CHECK(*topk > 0, op, ": topk must be > 0, got ", *topk);
+    MLA_TORCH_CHECK(*topk > 0 && *topk <= INT32_MAX, op, ": topk must be in [1, 2^31), got ", *topk);
     MLA_TORCH_CHECK(*h_q > 0 && *h_q <= kMaxHeadsQ, op, ": num_heads_q must be in [1, ", kMaxHeadsQ, "], got ", *h_q);
     MLA_TORCH_CHECK(h_k == 1, op, ": sparse decode needs h_k = 1, got ", h_k);
     MLA_TORCH_CHECK(num_q_tokens_per_head_k % *h_q == 0, op, ": num_q_tokens_per_head_k (", num_q_tokens_per_head_k,
@@ -335,7 +336,7 @@ DecodeResult sparse_decode_fwd(const Tensor& q, const Tensor& kv, const Tensor& 
     }
   }
 
-  const int parts_if_planned = h_q > 0 && s_q > 0 ? num_sm_parts_sparse(num_sms(q.device()), s_q, h_q) : 1;
+  const int parts_if_planned = num_sm_parts_sparse(num_sms(q.device()), s_q, h_q);
   Plan plan = take_plan(c, b, parts_if_planned, tile_scheduler_metadata, num_splits, q.device());
   Tensor out = at::empty({b, s_q, h_q, kHeadDimV}, q.options());
   Tensor lse = at::empty({b, s_q, h_q}, q.options().dtype(kFloat));

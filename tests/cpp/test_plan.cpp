@@ -131,21 +131,37 @@ TEST(Plan, ZeroLengthRequestsGetOneWholePiece) {
   expect_covers_exactly(h);
 }
 
-TEST(Plan, StalePlanIsRejected) {
+TEST(Plan, PlanForOtherLengthsStillCoversEveryBlock) {
+  // Engines reuse one plan for every layer of a step; if the lengths change under it, every block
+  // must still be run exactly once (first pieces start at 0, last pieces run to the end).
   std::vector<int32_t> lens = {300, 5000, 70};
   DecodePlanParams p;
   p.b = 3;
   p.num_sm_parts = 6;
   p.seqlens_k = lens.data();
   HostPlan h = make_plan(p);
-  // Request 1 was split over several parts; with fewer blocks its later pieces point past its end.
-  ASSERT_GT(h.num_splits[2] - h.num_splits[1], 2);
-  lens[1] = 100;
+  ASSERT_GT(h.num_splits[2] - h.num_splits[1], 2) << "request 1 must be split for this test";
+  for (const std::vector<int32_t>& now : {std::vector<int32_t>{100, 100, 100}, {9000, 20000, 0}, {0, 0, 0},
+                                          {64, 64 * 13 + 1, 1}}) {
+    lens = now;
+    expect_covers_exactly(h);
+  }
+}
+
+TEST(Plan, PlanOfAnotherBatchIsRejected) {
+  std::vector<int32_t> lens(8, 4000);
+  DecodePlanParams p;
+  p.b = 8;
+  p.num_sm_parts = 12;
+  p.seqlens_k = lens.data();
+  HostPlan h = make_plan(p);
+  DecodePlanParams smaller = h.params;
+  smaller.b = 4;  // the first 5 entries of num_splits, the rows of an 8-request plan
   try {
-    check_plan_matches(h.params);
-    FAIL() << "a plan for other lengths must be rejected";
+    check_plan_matches(smaller);
+    FAIL() << "a plan for 8 requests must not run a batch of 4";
   } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("request 1"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("another batch"), std::string::npos) << e.what();
   }
 }
 

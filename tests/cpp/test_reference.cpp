@@ -135,7 +135,7 @@ TEST_P(DenseDecode, MatchesBruteForce) {
     p.o.lse_stride_b = s_q * h_q, p.o.lse_stride_s = h_q, p.o.lse_stride_h = 1;
     Split split;
     p.split.num_sm_parts = num_sm_parts;
-    plan_into(split, reference::plan_params(p), s_q, h_q);
+    plan_into(split, dense_plan_params(p), s_q, h_q);
     p.split = split.view;
     reference::dense_decode(p);
 
@@ -240,7 +240,7 @@ TEST_P(SparseDecode, MatchesBruteForce) {
   p.o.lse_stride_b = s_q * h_q, p.o.lse_stride_s = h_q, p.o.lse_stride_h = 1;
   Split split;
   p.split.num_sm_parts = num_sm_parts;
-  plan_into(split, reference::plan_params(p), s_q, h_q);
+  plan_into(split, sparse_plan_params(p), s_q, h_q);
   p.split = split.view;
   reference::sparse_decode(p);
 

@@ -54,7 +54,8 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(CombineParams p) {
   if (h >= p.h_q) return;
   const int first = p.split.num_splits[i];
   const int n = p.split.num_splits[i + 1] - first;
-  if (n <= 1) return;
+  // Split rows live in [0, b + num_sm_parts): a foreign num_splits must not read outside them.
+  if (n <= 1 || first < 0 || first + n > p.b + p.split.num_sm_parts) return;
   auto row = [&](int k) { return (int64_t(first + k) * p.s_q + s) * p.h_q + h; };
 
   float m = -INFINITY;

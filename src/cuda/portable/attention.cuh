@@ -253,9 +253,21 @@ constexpr size_t shared_bytes() {
   return sizeof(SharedStorage<Problem::kHeadDim, typename Problem::MmaT>);
 }
 
+// Largest dynamic shared memory a block may opt into on the current device.
+inline int max_shared_per_block() {
+  int dev = 0, bytes = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) return 0;
+  cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+  return bytes;
+}
+
 template <class Problem>
 cudaError_t launch(const typename Problem::Params& params, dim3 grid, cudaStream_t stream) {
   const size_t smem = shared_bytes<Problem>();
+  // sm86 / sm89 (Ampere consumer cards, Ada) allow 99 KB per block: not enough for three stages.
+  MLA_CHECK(int(smem) <= max_shared_per_block(), "the portable kernel needs ", int(smem / 1024),
+            " KB of shared memory per block and this GPU allows ", max_shared_per_block() / 1024,
+            " KB (sm_80 and sm_90 have enough; sm_86 and sm_89 are not supported yet)");
   cudaError_t err = cudaFuncSetAttribute(attention_kernel<Problem>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          int(smem));
   if (err != cudaSuccess) return err;

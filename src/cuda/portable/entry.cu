@@ -45,7 +45,7 @@ cudaError_t dense_for_dim(const DenseDecodeParams& p, cudaStream_t stream) {
 cudaError_t portable_dense_decode(const DenseDecodeParams& p, cudaStream_t stream) {
   cudaError_t err = p.d_qk == kHeadDimV32 ? dense_for_dim<576>(p, stream) : dense_for_dim<512>(p, stream);
   if (err != cudaSuccess) return err;
-  return combine(combine_params(p.b, p.s_q, p.h_q, p.split, p.o, nullptr), stream, /*pdl=*/true);
+  return combine(combine_params(p.b, p.s_q, p.h_q, p.split, p.o, nullptr), stream, /*pdl=*/device_arch() >= 90);
 }
 
 cudaError_t portable_sparse_decode(const SparseDecodeParams& p, cudaStream_t stream) {
@@ -53,7 +53,7 @@ cudaError_t portable_sparse_decode(const SparseDecodeParams& p, cudaStream_t str
   cudaError_t err = p.format == KvFormat::kV32 ? portable::launch<SparseProblem<KvFormat::kV32>>(p, grid, stream)
                                                : portable::launch<SparseProblem<KvFormat::kModel1>>(p, grid, stream);
   if (err != cudaSuccess) return err;
-  return combine(combine_params(p.b, p.s_q, p.h_q, p.split, p.o, p.attn_sink), stream, /*pdl=*/true);
+  return combine(combine_params(p.b, p.s_q, p.h_q, p.split, p.o, p.attn_sink), stream, /*pdl=*/device_arch() >= 90);
 }
 
 cudaError_t portable_sparse_prefill(const SparsePrefillParams& p, cudaStream_t stream) {

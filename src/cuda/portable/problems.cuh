@@ -63,10 +63,12 @@ __device__ __forceinline__ PlanRow load_row(const int32_t* tsm, int part) {
 }
 
 // Work items of a decode part: the pieces of its plan row, each a range of 64-key plan blocks.
+// A row naming requests outside [0, b) (a plan of another batch) is clamped: no request of this
+// call is read or written out of range, whatever the metadata holds.
 __device__ __forceinline__ int decode_items(const DecodeSplit& split, int b, int part) {
   const PlanRow row = load_row(split.tile_scheduler_metadata, part);
-  if (row.begin_req >= b || row.end_req < row.begin_req) return 0;
-  return row.end_req - row.begin_req + 1;
+  if (row.begin_req < 0 || row.begin_req >= b || row.end_req < row.begin_req) return 0;
+  return min(row.end_req, b - 1) - row.begin_req + 1;
 }
 __device__ __forceinline__ WorkItem decode_item(const DecodeSplit& split, const DecodePlanParams& plan, int part,
                                                 int k) {
@@ -78,12 +80,14 @@ __device__ __forceinline__ WorkItem decode_item(const DecodeSplit& split, const 
 
 // Writes one output row (this thread's 32 columns) of a decode piece.
 template <typename OutT>
-__device__ __forceinline__ void store_decode_row(const DecodeOutput& o, const DecodeSplit& split, int s_q, int h_q,
+__device__ __forceinline__ void store_decode_row(const DecodeOutput& o, const DecodeSplit& split, int b, int s_q, int h_q,
                                                  const WorkItem& item, int s, int h, int col_base, int t4,
                                                  const float* vals, float m, float l, float v_scale, float sink,
                                                  bool write_stats) {
   const int i = item.req;
   if (item.is_split) {
+    // Split rows live in [0, b + num_sm_parts); a foreign plan must not write outside them.
+    if (item.split_index < 0 || item.split_index >= b + split.num_sm_parts) return;
     const int64_t row = (int64_t(item.split_index) * s_q + s) * h_q + h;
     const float inv = l > 0.f ? v_scale / l : 0.f;
     float* dst = split.o_accum + row * kHeadDimV + col_base + 2 * t4;
@@ -126,16 +130,14 @@ struct DenseProblem {
   }
   __device__ int rows() const { return p.s_q * hpg; }
   __device__ DecodePlanParams plan() const {
-    DecodePlanParams pp;
-    pp.b = p.b;
-    pp.seqlens_k = p.seqlens_k;
-    return pp;
+    return dense_plan_params(p);
   }
   __device__ int num_items(int part) const { return detail::decode_items(p.split, p.b, part); }
   __device__ WorkItem item(int part, int k) const {
-    WorkItem it = detail::decode_item(p.split, plan(), part, k);
+    const DecodePlanParams pp = plan();
+    WorkItem it = detail::decode_item(p.split, pp, part, k);
     // The last plan block of a request may hold fewer than 64 keys: drop stages past its end.
-    const int stages = ceil_div(max(p.seqlens_k[it.req], 0), kStageKeys);
+    const int stages = ceil_div(dense_len(pp, it.req), kStageKeys);
     it.stage_end = min(it.stage_end, stages);
     it.stage_begin = min(it.stage_begin, it.stage_end);
     return it;
@@ -149,7 +151,7 @@ struct DenseProblem {
   }
   __device__ int row_key_limit(int i, int, int r) const {
     if (!p.causal || p.s_q == 1) return INT_MAX;
-    return r / hpg + p.seqlens_k[i] - p.s_q;
+    return r / hpg + dense_len(plan(), i) - p.s_q;
   }
 
   __device__ void load_q8(int i, int group, int r, int col, bool live, MmaT* dst) const {
@@ -175,7 +177,7 @@ struct DenseProblem {
   // Issues the loads of one stage: 32 tokens of request item.req, KV head blockIdx.y.
   __device__ void fetch(const WorkItem& item, int stage, Prefetch& f, MmaT (*k)[D + kPad], uint8_t* valid,
                         int* pos) const {
-    const int i = item.req, len = p.seqlens_k[i];
+    const int i = item.req, len = dense_len(plan(), i);
     const int key = threadIdx.x / 4, quarter = threadIdx.x % 4;
     const int t = stage * kStageKeys + key;
     // The token's page, or none past the sequence or for a block-table entry outside the cache.
@@ -218,7 +220,7 @@ struct DenseProblem {
                             float l, bool write_stats) const {
     const int s = r / hpg, h = group * hpg + r % hpg;
     // FP8: V is k * descale_k; the scores already carry both descales.
-    detail::store_decode_row<OutT>(p.o, p.split, p.s_q, p.h_q, item, s, h, col_base, t4, vals, m, l,
+    detail::store_decode_row<OutT>(p.o, p.split, p.b, p.s_q, p.h_q, item, s, h, col_base, t4, vals, m, l,
                                    descale(p.descale_k, item.req), -INFINITY, write_stats);
   }
 };
@@ -242,13 +244,7 @@ struct SparseProblem {
   }
   __device__ int rows() const { return p.h_q; }
   __device__ DecodePlanParams plan() const {
-    DecodePlanParams pp;
-    pp.b = p.b;
-    pp.topk = p.topk;
-    pp.topk_length = p.topk_length;
-    pp.extra_topk = p.extra_kv.data ? p.extra_topk : 0;
-    pp.extra_topk_length = p.extra_kv.data ? p.extra_topk_length : nullptr;
-    return pp;
+    return sparse_plan_params(p);
   }
   __device__ int num_items(int part) const { return detail::decode_items(p.split, p.b, part); }
   __device__ WorkItem item(int part, int k) const { return detail::decode_item(p.split, plan(), part, k); }
@@ -345,7 +341,7 @@ struct SparseProblem {
   __device__ void store_row(const WorkItem& item, int s, int h, int col_base, int t4, const float* vals, float m,
                             float l, bool write_stats) const {
     const float sink = p.attn_sink ? p.attn_sink[h] : -INFINITY;
-    detail::store_decode_row<OutT>(p.o, p.split, p.s_q, p.h_q, item, s, h, col_base, t4, vals, m, l, 1.f, sink,
+    detail::store_decode_row<OutT>(p.o, p.split, p.b, p.s_q, p.h_q, item, s, h, col_base, t4, vals, m, l, 1.f, sink,
                                    write_stats);
   }
 };
