@@ -111,10 +111,9 @@ MLA_HD PlanPiece plan_piece(const PlanRow& row, const int32_t* num_splits, int k
   pc.is_split = (first && row.first_split) || (last && row.last_split);
   pc.split_index = num_splits[pc.req] + (first ? row.begin_split : 0);
   const bool last_piece = !pc.is_split || pc.split_index == num_splits[pc.req + 1] - 1;
-  pc.block_begin = first ? row.begin_block : 0;
-  pc.block_end = last && !last_piece ? row.end_block : total_blocks;
-  if (pc.block_end > total_blocks) pc.block_end = total_blocks;
-  if (pc.block_begin > pc.block_end) pc.block_begin = pc.block_end;
+  // 0 <= block_begin <= block_end <= total_blocks, whatever the row holds.
+  pc.block_end = clamp_len(last && !last_piece ? row.end_block : total_blocks, total_blocks);
+  pc.block_begin = clamp_len(first ? row.begin_block : 0, pc.block_end);
   return pc;
 }
 

@@ -165,6 +165,26 @@ TEST(Plan, PlanOfAnotherBatchIsRejected) {
   }
 }
 
+TEST(Plan, PiecesOfAnyRowStayInsideTheRequest) {
+  // Whatever a (foreign or garbage) row holds, a piece never names blocks outside the request.
+  std::mt19937 rng(5);
+  const std::vector<int32_t> num_splits = {0, 3, 4, 9};
+  for (int trial = 0; trial < 20000; ++trial) {
+    PlanRow r;
+    auto any = [&] { return int(rng() % 200) - 100; };
+    r.begin_req = int(rng() % 3), r.end_req = r.begin_req + int(rng() % (3 - r.begin_req));
+    r.begin_block = any(), r.end_block = any(), r.begin_split = any();
+    r.first_split = int(rng() % 2), r.last_split = int(rng() % 2), r.pad = 0;
+    const int total = int(rng() % 40);
+    for (int k = 0; k <= r.end_req - r.begin_req; ++k) {
+      const PlanPiece pc = plan_piece(r, num_splits.data(), k, total);
+      ASSERT_LE(0, pc.block_begin);
+      ASSERT_LE(pc.block_begin, pc.block_end);
+      ASSERT_LE(pc.block_end, total);
+    }
+  }
+}
+
 TEST(Plan, NegativeLengthNamesTheArgument) {
   const std::vector<int32_t> lens = {10, -3};
   DecodePlanParams p;
