@@ -18,7 +18,10 @@
 //   * epilogue: whole pieces write out/lse (attention sink applied), split pieces write fp32
 //     partials for the combine kernel.
 // Tile sizes: 16 query rows, 32 keys per stage, 3 stages, rows padded by 8 elements (16 bytes) so
-// ldmatrix rows fall in distinct banks. Shared memory: 142 KB at D = 576.
+// ldmatrix rows fall in distinct banks. Shared memory: 142 KB at D = 576 (one CTA per SM).
+// Reached on an H200 (bench/RESULTS.md, 2026-11-30): dense h_q=16 s_k=8192 2198 GB/s (51% of the
+// copy ceiling); dense h_q=128 72 TFLOPS; sparse V3.2 h_q=128 topk 2048 48 TFLOPS. Issue-bound: one
+// warp per scheduler, and h_q=128 reads every key into shared memory once per 16-row tile.
 #pragma once
 
 #include <cuda_runtime.h>
