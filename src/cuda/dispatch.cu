@@ -64,9 +64,15 @@ std::string forced_implementation() {
 }
 
 template <typename Params>
-cudaError_t run(const std::vector<Implementation<Params>>& table, OpKind op, const Params& p, cudaStream_t stream) {
+std::vector<ImplementationInfo> infos_of(const std::vector<Implementation<Params>>& table) {
   std::vector<ImplementationInfo> infos;
   for (const auto& impl : table) infos.push_back(impl.info);
+  return infos;
+}
+
+template <typename Params>
+cudaError_t run(const std::vector<Implementation<Params>>& table, OpKind op, const Params& p, cudaStream_t stream) {
+  static const std::vector<ImplementationInfo> infos = infos_of(table);
   const int i = select_implementation(infos, op, device_arch(), required_features(p), forced_implementation());
   return table[i].run(p, stream);
 }
@@ -74,11 +80,12 @@ cudaError_t run(const std::vector<Implementation<Params>>& table, OpKind op, con
 }  // namespace
 
 const char* implementation_name(OpKind op, uint32_t features) {
-  std::vector<ImplementationInfo> infos;
-  auto collect = [&](const auto& table) {
-    for (const auto& impl : table) infos.push_back(impl.info);
-  };
-  collect(kDense), collect(kSparse), collect(kPrefill);
+  static const std::vector<ImplementationInfo> infos = [] {
+    std::vector<ImplementationInfo> all;
+    for (const auto& part : {infos_of(kDense), infos_of(kSparse), infos_of(kPrefill)})
+      all.insert(all.end(), part.begin(), part.end());
+    return all;
+  }();
   return infos[select_implementation(infos, op, device_arch(), features, forced_implementation())].name;
 }
 

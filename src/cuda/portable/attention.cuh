@@ -26,6 +26,7 @@
 
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdint>
 
 #include "../common/ptx.cuh"
@@ -267,13 +268,21 @@ inline int max_shared_per_block() {
 template <class Problem>
 cudaError_t launch(const typename Problem::Params& params, dim3 grid, cudaStream_t stream) {
   const size_t smem = shared_bytes<Problem>();
-  // sm86 / sm89 (Ampere consumer cards, Ada) allow 99 KB per block: not enough for three stages.
-  MLA_CHECK(int(smem) <= max_shared_per_block(), "the portable kernel needs ", int(smem / 1024),
-            " KB of shared memory per block and this GPU allows ", max_shared_per_block() / 1024,
-            " KB (sm_80 and sm_90 have enough; sm_86 and sm_89 are not supported yet)");
-  cudaError_t err = cudaFuncSetAttribute(attention_kernel<Problem>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         int(smem));
+  // Raise the kernel's shared-memory limit once per device (64 devices at most), not per call.
+  static std::atomic<uint64_t> configured{0};
+  int dev = 0;
+  cudaError_t err = cudaGetDevice(&dev);
   if (err != cudaSuccess) return err;
+  const uint64_t bit = uint64_t(1) << (dev & 63);
+  if (!(configured.load(std::memory_order_acquire) & bit)) {
+    // sm86 / sm89 (Ampere consumer cards, Ada) allow 99 KB per block: not enough for three stages.
+    MLA_CHECK(int(smem) <= max_shared_per_block(), "the portable kernel needs ", int(smem / 1024),
+              " KB of shared memory per block and this GPU allows ", max_shared_per_block() / 1024,
+              " KB (sm_80 and sm_90 have enough; sm_86 and sm_89 are not supported yet)");
+    err = cudaFuncSetAttribute(attention_kernel<Problem>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+    if (err != cudaSuccess) return err;
+    configured.fetch_or(bit, std::memory_order_release);
+  }
   attention_kernel<Problem><<<grid, kThreads, smem, stream>>>(params);
   return cudaGetLastError();
 }
