@@ -9,6 +9,13 @@ bash tools/setup.sh || exit 1
 echo "== C++ tests"
 ctest --test-dir build/core --output-on-failure || exit 1
 
+echo "== C++ API from another CMake project (install + find_package)"
+rm -rf build/install build/consumer
+cmake --install build/core --prefix build/install > /dev/null || exit 1
+cmake -S tests/consumer -B build/consumer -G Ninja -DCMAKE_PREFIX_PATH="$PWD/build/install" > build/consumer.log 2>&1 &&
+  cmake --build build/consumer >> build/consumer.log 2>&1 || { cat build/consumer.log; exit 1; }
+build/consumer/consumer || exit 1
+
 echo "== Python tests"
 "${PYTHON:-python3}" -m pytest tests/python -q -rs "$@"
 rc=$?
