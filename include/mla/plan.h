@@ -177,27 +177,27 @@ MLA_HD int plan_fill(const DecodePlanParams& p, long long total, const Blocks& b
 // Number of parts for a call, from the number of SMs (or CPU "virtual SMs") available. Dense decode
 // folds s_q * h_q / h_k query rows into 64-row tiles; sparse decode runs 64 heads per CTA.
 // The planner's view of a decode call (its plan pointers are those of p.split).
-MLA_HD DecodePlanParams dense_plan_params(const DenseDecodeParams& p) {
+MLA_HD DecodePlanParams plan_params_for(int b, const DecodeSplit& split) {
   DecodePlanParams pp;
-  pp.b = p.b;
-  pp.num_sm_parts = p.split.num_sm_parts;
+  pp.b = b;
+  pp.num_sm_parts = split.num_sm_parts;
+  pp.tile_scheduler_metadata = const_cast<int32_t*>(split.tile_scheduler_metadata);
+  pp.num_splits = const_cast<int32_t*>(split.num_splits);
+  return pp;
+}
+MLA_HD DecodePlanParams dense_plan_params(const DenseDecodeParams& p) {
+  DecodePlanParams pp = plan_params_for(p.b, p.split);
   pp.seqlens_k = p.seqlens_k;
   const long long capacity = (long long)p.max_blocks_per_seq * p.page_block_size;
   pp.max_seqlen = capacity < 0x7fffffff ? int(capacity) : 0x7fffffff;
-  pp.tile_scheduler_metadata = const_cast<int32_t*>(p.split.tile_scheduler_metadata);
-  pp.num_splits = const_cast<int32_t*>(p.split.num_splits);
   return pp;
 }
 MLA_HD DecodePlanParams sparse_plan_params(const SparseDecodeParams& p) {
-  DecodePlanParams pp;
-  pp.b = p.b;
-  pp.num_sm_parts = p.split.num_sm_parts;
+  DecodePlanParams pp = plan_params_for(p.b, p.split);
   pp.topk = p.topk;
   pp.topk_length = p.topk_length;
   pp.extra_topk = p.extra_kv.data ? p.extra_topk : 0;
   pp.extra_topk_length = p.extra_kv.data ? p.extra_topk_length : nullptr;
-  pp.tile_scheduler_metadata = const_cast<int32_t*>(p.split.tile_scheduler_metadata);
-  pp.num_splits = const_cast<int32_t*>(p.split.num_splits);
   return pp;
 }
 
