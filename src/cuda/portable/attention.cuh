@@ -3,25 +3,26 @@
 // decode (FP8 V3.2 / MODEL1) and sparse prefill; a Problem policy (problems.cuh) says where the
 // query rows and the keys come from and where results go.
 //
-// Schedule (128 threads = 4 warps, one CTA per (16-row query tile, key group, plan part)):
+// Schedule (256 threads = 8 warps, one CTA per (16-row query tile, key group, plan part)):
 //   * a persistent loop over the part's work items (plan pieces; one item for prefill);
 //   * per item, Q (16 rows x D) goes through shared memory into registers: warp w keeps the
-//     A fragments of dims [w*D/4, (w+1)*D/4);
-//   * keys stream in stages of 32 (half a plan block), 3 stages deep: cp.async for BF16/FP16
-//     rows; FP8 rows are loaded into registers two stages ahead and dequantised into shared memory
-//     after the current stage's P V, so their latency hides behind the matrix work (invalid rows
-//     are zeroed);
-//   * S = Q K^T: each warp multiplies its quarter of the head dim for all 32 keys; the four
-//     partial S tiles are summed through shared memory; 128 threads run the online softmax (log2
-//     domain, 8 threads per row), write P (bf16/fp16) and the per-row rescale factor;
-//   * O += P V: warp w owns output columns [w*128, w*128+128) in registers (16 x 128 fp32);
+//     A fragments of head-dim quarter w % 4;
+//   * keys stream in stages of 32 (half a plan block), 3 stages deep, 8 threads per key:
+//     cp.async for BF16/FP16 rows; FP8 rows are loaded into registers two stages ahead and
+//     dequantised into shared memory after the current stage's P V, so their latency hides behind
+//     the matrix work (invalid rows are zeroed);
+//   * S = Q K^T: warp w multiplies keys [16 (w / 4), +16) over head-dim quarter w % 4 (two
+//     interleaved accumulator chains); the four partial S tiles are summed through shared memory;
+//     256 threads run the online softmax (log2 domain, 16 threads per row), write P (bf16/fp16)
+//     and the per-row rescale factor;
+//   * O += P V: warp w owns output columns [64 w, 64 w + 64) in registers (16 x 64 fp32);
 //   * epilogue: whole pieces write out/lse (attention sink applied), split pieces write fp32
 //     partials for the combine kernel.
 // Tile sizes: 16 query rows, 32 keys per stage, 3 stages, rows padded by 8 elements (16 bytes) so
 // ldmatrix rows fall in distinct banks. Shared memory: 142 KB at D = 576 (one CTA per SM).
-// Reached on an H200 (bench/RESULTS.md, 2026-11-30): dense h_q=16 s_k=8192 2198 GB/s (51% of the
-// copy ceiling); dense h_q=128 72 TFLOPS; sparse V3.2 h_q=128 topk 2048 48 TFLOPS. Issue-bound: one
-// warp per scheduler, and h_q=128 reads every key into shared memory once per 16-row tile.
+// Reached on an H200 (bench/RESULTS.md): see the table there; the memory-bound dense case
+// (h_q = 16) is bounded by the latency of one CTA's three barriers per stage, and h_q = 128 reads
+// every key into shared memory once per 16-row tile.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -35,18 +36,25 @@
 
 namespace mla::cuda::portable {
 
-constexpr int kThreads = 128;
+constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kRows = 16;        // query rows per CTA: one mma M
 constexpr int kStageKeys = 32;   // keys per pipeline stage
 constexpr int kStages = 3;       // stages in flight
 constexpr int kPad = 8;          // elements of padding per shared-memory row (16 bytes)
 constexpr int kDv = kHeadDimV;   // 512
-constexpr int kColsPerWarp = kDv / kWarps;  // 128 output columns per warp
-constexpr int kNTilesO = kColsPerWarp / 8;  // 16 mma n-tiles of O per warp
+constexpr int kKeyLanes = kThreads / kStageKeys;  // 8 threads load each key of a stage
+// S = Q K^T: warp w multiplies keys [16 * (w / 4), +16) over head-dim quarter w % 4.
+constexpr int kDimQuarters = 4;
+constexpr int kKeyHalves = kWarps / kDimQuarters;
+constexpr int kColsPerWarp = kDv / kWarps;  // 64 output columns per warp
+constexpr int kNTilesO = kColsPerWarp / 8;  // 8 mma n-tiles of O per warp
+constexpr int kSoftmaxLanes = kThreads / kRows;              // 16 threads per softmax row
+constexpr int kSoftmaxKeys = kStageKeys / kSoftmaxLanes;     // 2 keys per thread
 constexpr int kSPad = 4;                    // fp32 padding of the partial-S rows
 static_assert(kPlanBlockSize % kStageKeys == 0, "a plan block is a whole number of stages");
-static_assert(kStageKeys == 32 && kThreads == 128, "the softmax maps 8 threads x 4 keys to each of 16 rows");
+static_assert(kKeyHalves * 16 == kStageKeys, "the key halves of the S warps cover a stage");
+static_assert(kSoftmaxKeys == 2, "the softmax writes P as one pair of keys per thread");
 static_assert(kDv % (kWarps * 16) == 0, "each warp owns whole 16-column pairs of O");
 
 constexpr float kLog2e = 1.4426950408889634f;
@@ -54,10 +62,10 @@ constexpr float kLn2 = 0.6931471805599453f;
 
 template <int D, typename T>
 struct SharedStorage {
-  static_assert(D % (kWarps * 16) == 0, "each warp owns whole k16 steps of the head dim");
+  static_assert(D % (kDimQuarters * 16) == 0, "each S warp owns whole k16 steps of the head dim");
   T k[kStages][kStageKeys][D + kPad];  // keys of 3 stages; V is the first 512 dims
   T q[kRows][D + kPad];
-  float s_part[kWarps][kRows][kStageKeys + kSPad];
+  float s_part[kDimQuarters][kRows][kStageKeys + kSPad];
   T p[kRows][kStageKeys + kPad];
   float row_m[kRows];      // running max, log2 domain
   float row_l[kRows];      // running sum
@@ -78,7 +86,7 @@ template <class Problem>
 __global__ void __launch_bounds__(kThreads, 1) attention_kernel(const __grid_constant__ typename Problem::Params params) {
   using T = typename Problem::MmaT;
   constexpr int D = Problem::kHeadDim;
-  constexpr int kDimsPerWarp = D / kWarps;
+  constexpr int kDimsPerWarp = D / kDimQuarters;
   constexpr int kKSteps = kDimsPerWarp / 16;
   extern __shared__ __align__(16) uint8_t smem_raw[];
   auto& sm = *reinterpret_cast<SharedStorage<D, T>*>(smem_raw);
@@ -86,6 +94,7 @@ __global__ void __launch_bounds__(kThreads, 1) attention_kernel(const __grid_con
   const Problem pb(params);
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int g = lane / 4, t4 = lane % 4;
+  const int dq = warp % kDimQuarters, kh = warp / kDimQuarters;  // this warp's share of S
   int m_tile, group, part;
   pb.coords(m_tile, group, part);
   const int row0 = m_tile * kRows;
@@ -109,7 +118,7 @@ __global__ void __launch_bounds__(kThreads, 1) attention_kernel(const __grid_con
     uint32_t qf[kKSteps][4];
 #pragma unroll
     for (int ks = 0; ks < kKSteps; ++ks)
-      ptx::ldmatrix_x4(qf[ks], &sm.q[lane % 16][warp * kDimsPerWarp + ks * 16 + (lane / 16) * 8]);
+      ptx::ldmatrix_x4(qf[ks], &sm.q[lane % 16][dq * kDimsPerWarp + ks * 16 + (lane / 16) * 8]);
 
     float acc[kNTilesO][4];
 #pragma unroll
@@ -117,7 +126,7 @@ __global__ void __launch_bounds__(kThreads, 1) attention_kernel(const __grid_con
 
     const float score_scale = pb.score_scale(item.req);
     // The last key position each of this thread's softmax row may see (causal masks).
-    const int softmax_row = tid / 8;
+    const int softmax_row = tid / kSoftmaxLanes;
     const int row_limit = pb.row_key_limit(item.req, group, row0 + softmax_row);
     const bool softmax_row_live = row0 + softmax_row < num_rows;
 
@@ -146,63 +155,62 @@ __global__ void __launch_bounds__(kThreads, 1) attention_kernel(const __grid_con
                  sm.key_pos[next % kStages]);
       ptx::cp_async_commit();
 
-      // S partial = Q[:, my dims] K[:, my dims]^T, 16 x 32.
-      float s[4][4];
+      // S partial = Q[:, my dims] K[my keys, my dims]^T, 16 x 16, as two interleaved accumulator
+      // chains (even and odd k-steps) so consecutive mma do not wait on each other.
+      float s[2][2][4];
 #pragma unroll
-      for (int n = 0; n < 4; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+      for (int c = 0; c < 2; ++c)
+#pragma unroll
+        for (int n = 0; n < 2; ++n) s[c][n][0] = s[c][n][1] = s[c][n][2] = s[c][n][3] = 0.f;
 #pragma unroll
       for (int ks = 0; ks < kKSteps; ++ks) {
-        const int col = warp * kDimsPerWarp + ks * 16 + ((lane / 8) % 2) * 8;
-#pragma unroll
-        for (int np = 0; np < 2; ++np) {
-          uint32_t b[4];
-          ptx::ldmatrix_x4(b, &sm.k[buf][np * 16 + (lane % 8) + (lane / 16) * 8][col]);
-          ptx::mma_16816<T>(s[2 * np], qf[ks], b[0], b[1]);
-          ptx::mma_16816<T>(s[2 * np + 1], qf[ks], b[2], b[3]);
-        }
+        const int col = dq * kDimsPerWarp + ks * 16 + ((lane / 8) % 2) * 8;
+        uint32_t b[4];
+        ptx::ldmatrix_x4(b, &sm.k[buf][kh * 16 + (lane % 8) + (lane / 16) * 8][col]);
+        ptx::mma_16816<T>(s[ks % 2][0], qf[ks], b[0], b[1]);
+        ptx::mma_16816<T>(s[ks % 2][1], qf[ks], b[2], b[3]);
       }
 #pragma unroll
-      for (int n = 0; n < 4; ++n) {
-        sm.s_part[warp][g][n * 8 + 2 * t4] = s[n][0];
-        sm.s_part[warp][g][n * 8 + 2 * t4 + 1] = s[n][1];
-        sm.s_part[warp][g + 8][n * 8 + 2 * t4] = s[n][2];
-        sm.s_part[warp][g + 8][n * 8 + 2 * t4 + 1] = s[n][3];
+      for (int n = 0; n < 2; ++n) {
+        const int c = kh * 16 + n * 8 + 2 * t4;
+        *reinterpret_cast<float2*>(&sm.s_part[dq][g][c]) = make_float2(s[0][n][0] + s[1][n][0], s[0][n][1] + s[1][n][1]);
+        *reinterpret_cast<float2*>(&sm.s_part[dq][g + 8][c]) =
+            make_float2(s[0][n][2] + s[1][n][2], s[0][n][3] + s[1][n][3]);
       }
       __syncthreads();
 
-      // Online softmax: thread -> row tid / 8, keys (tid % 8) * 4 .. + 4.
+      // Online softmax: thread -> row tid / 16, keys (tid % 16) * 2 and + 1.
       {
-        const int r = softmax_row, c0 = (tid % 8) * 4;
-        float z[4];
+        const int r = softmax_row, c0 = (tid % kSoftmaxLanes) * kSoftmaxKeys;
+        float z[kSoftmaxKeys];
         float mx = -INFINITY;
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
+        for (int j = 0; j < kSoftmaxKeys; ++j) {
           const int c = c0 + j;
           float v = 0.f;
 #pragma unroll
-          for (int w = 0; w < kWarps; ++w) v += sm.s_part[w][r][c];
+          for (int w = 0; w < kDimQuarters; ++w) v += sm.s_part[w][r][c];
           const bool valid = softmax_row_live && sm.key_valid[buf][c] && sm.key_pos[buf][c] <= row_limit;
           z[j] = valid ? v * score_scale : -INFINITY;
           mx = fmaxf(mx, z[j]);
         }
 #pragma unroll
-        for (int o = 1; o < 8; o *= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+        for (int o = 1; o < kSoftmaxLanes; o *= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
         const float m_old = sm.row_m[r];
         const float m_new = fmaxf(m_old, mx);
         const bool any = m_new != -INFINITY;
         const float alpha = any ? exp2f(m_old - m_new) : 1.f;
         float sum = 0.f;
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
+        for (int j = 0; j < kSoftmaxKeys; ++j) {
           const float pj = any && z[j] != -INFINITY ? exp2f(z[j] - m_new) : 0.f;
           sum += pj;
           z[j] = pj;
         }
 #pragma unroll
-        for (int o = 1; o < 8; o *= 2) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+        for (int o = 1; o < kSoftmaxLanes; o *= 2) sum += __shfl_xor_sync(0xffffffffu, sum, o);
         *reinterpret_cast<uint32_t*>(&sm.p[r][c0]) = ptx::pack2<T>(z[0], z[1]);
-        *reinterpret_cast<uint32_t*>(&sm.p[r][c0 + 2]) = ptx::pack2<T>(z[2], z[3]);
-        if (tid % 8 == 0) {
+        if (tid % kSoftmaxLanes == 0) {
           sm.row_m[r] = m_new;
           sm.row_l[r] = sm.row_l[r] * alpha + sum;
           sm.row_alpha[r] = alpha;

@@ -78,7 +78,7 @@ __device__ __forceinline__ WorkItem decode_item(const DecodeSplit& split, const 
   return {pc.req, pc.block_begin * kStagesPerBlock, pc.block_end * kStagesPerBlock, pc.is_split, pc.split_index};
 }
 
-// Writes one output row (this thread's 32 columns) of a decode piece.
+// Writes one output row (this thread's 2 * kNTilesO columns) of a decode piece.
 template <typename OutT>
 __device__ __forceinline__ void store_decode_row(const DecodeOutput& o, const DecodeSplit& split, int b, int s_q, int h_q,
                                                  const WorkItem& item, int s, int h, int col_base, int t4,
@@ -166,10 +166,9 @@ struct DenseProblem {
 
   static constexpr int kElemsPer16B = 16 / sizeof(CacheT);
   static constexpr int kChunks = D / kElemsPer16B;  // 16-byte pieces of a key row
-  // Four threads per key (one block-table lookup each); thread q of a key copies pieces
-  // q, q + 4, q + 8, ... so the four read 64 contiguous bytes per instruction.
-  static constexpr int kIters = kChunks / 4;
-  static_assert(kThreads == 4 * kStageKeys && kChunks % 4 == 0, "four threads per key, whole pieces each");
+  // Eight threads per key (one block-table lookup each); thread e of a key copies pieces
+  // e, e + 8, e + 16, ... so the eight read 128 contiguous bytes per instruction.
+  static constexpr int kIters = (kChunks + kKeyLanes - 1) / kKeyLanes;
   struct Prefetch {
     uint4 raw[kFp8 ? kIters : 1];  // FP8 rows in flight (BF16/FP16 go through cp.async)
   };
@@ -178,7 +177,7 @@ struct DenseProblem {
   __device__ void fetch(const WorkItem& item, int stage, Prefetch& f, MmaT (*k)[D + kPad], uint8_t* valid,
                         int* pos) const {
     const int i = item.req, len = dense_len(plan(), i);
-    const int key = threadIdx.x / 4, quarter = threadIdx.x % 4;
+    const int key = threadIdx.x / kKeyLanes, lane = threadIdx.x % kKeyLanes;
     const int t = stage * kStageKeys + key;
     // The token's page, or none past the sequence or for a block-table entry outside the cache.
     const int page_idx = t / p.page_block_size;
@@ -187,7 +186,7 @@ struct DenseProblem {
       page = p.block_table[i * p.block_table_stride + page_idx];
       if (page < 0 || page >= p.num_blocks) page = -1;
     }
-    if (quarter == 0) {
+    if (lane == 0) {
       valid[key] = page >= 0;
       pos[key] = t;
     }
@@ -198,7 +197,9 @@ struct DenseProblem {
                                        int64_t(blockIdx.y) * p.k_stride_head;
 #pragma unroll
     for (int j = 0; j < kIters; ++j) {
-      const int col = (j * 4 + quarter) * kElemsPer16B;
+      const int chunk = j * kKeyLanes + lane;
+      if (chunk >= kChunks) break;
+      const int col = chunk * kElemsPer16B;
       if constexpr (kFp8) {
         f.raw[j] = page >= 0 ? __ldg(reinterpret_cast<const uint4*>(row + col)) : make_uint4(0, 0, 0, 0);
       } else {
@@ -210,9 +211,12 @@ struct DenseProblem {
   // FP8: the prefetched bytes, widened to bf16 (exact), into the stage buffer.
   __device__ void commit(const Prefetch& f, MmaT (*k)[D + kPad]) const {
     if constexpr (kFp8) {
-      const int key = threadIdx.x / 4, quarter = threadIdx.x % 4;
+      const int key = threadIdx.x / kKeyLanes, lane = threadIdx.x % kKeyLanes;
 #pragma unroll
-      for (int j = 0; j < kIters; ++j) detail::dequant16(f.raw[j], 1.f, &k[key][(j * 4 + quarter) * kElemsPer16B]);
+      for (int j = 0; j < kIters; ++j) {
+        const int chunk = j * kKeyLanes + lane;
+        if (chunk < kChunks) detail::dequant16(f.raw[j], 1.f, &k[key][chunk * kElemsPer16B]);
+      }
     }
   }
 
@@ -261,22 +265,23 @@ struct SparseProblem {
     detail::convert8<MmaT>(src, dst);
   }
 
-  // Four threads per slot; each owns a quarter of the token. V3.2: NoPE dims [128q, 128q + 128)
-  // (exactly one scale tile) and RoPE dims 512 + [16q, 16q + 16). MODEL1: NoPE dims
-  // [112q, 112q + 112) (seven 16-dim chunks, each inside one 64-dim tile) and RoPE dims
-  // 448 + [16q, 16q + 16); a page block is 584 * page_block_size bytes, so MODEL1 records are only
-  // 8-byte aligned in general and are read with 8-byte loads.
+  // Eight threads per slot. NoPE: 16-dim chunk c (16 e4m3 bytes) goes to thread c % 8, so the
+  // eight read 128 contiguous bytes per load, and every chunk lies inside one scale tile (V3.2: 128
+  // dims, MODEL1: 64 dims). RoPE: 64 bf16 = 8 pieces of 16 bytes, one per thread. MODEL1 page
+  // blocks are 584 * page_block_size bytes, so its records are only 8-byte aligned in general and
+  // are read with 8-byte loads.
   static constexpr bool kV32 = F == KvFormat::kV32;
-  static constexpr int kNopeChunks = kV32 ? 8 : 7;  // 16-byte chunks of NoPE per thread
   static constexpr int kNope = kV32 ? 512 : 448;
+  static constexpr int kNopeChunks = kNope / 16;                              // 32 / 28
+  static constexpr int kNopeIters = (kNopeChunks + kKeyLanes - 1) / kKeyLanes;  // 4
   static constexpr int kRecordBytes = kV32 ? 656 : 576;
   static constexpr int kRopeOffset = kV32 ? 528 : 448;  // bytes into the record
-  static_assert(kThreads == 4 * kStageKeys, "four threads per slot");
+  static_assert(kKeyLanes * 16 == 128, "one 16-byte RoPE piece per thread");
   struct Prefetch {
     bool ok;
-    uint4 nope[kNopeChunks];
-    uint4 rope[2];
-    uint2 scales;  // V3.2: the float32 scale of this quarter in .x; MODEL1: the 8-byte scale record
+    uint4 nope[kNopeIters];
+    uint4 rope;
+    uint4 scales;  // V3.2: the four float32 tile scales; MODEL1: the 8-byte scale record in .x/.y
   };
 
   __device__ void fetch(const WorkItem& item, int stage, Prefetch& f, MmaT (*)[kHeadDim + kPad], uint8_t* valid,
@@ -284,11 +289,11 @@ struct SparseProblem {
     constexpr int kStagesPerBlock = kPlanBlockSize / kStageKeys;
     const SparseBlockSlots src = sparse_block_slots(p, plan(), item.req, blockIdx.y, stage / kStagesPerBlock);
     const SparseKvCache& cache = *src.cache;
-    const int slot_local = threadIdx.x / 4, quarter = threadIdx.x % 4;
+    const int slot_local = threadIdx.x / kKeyLanes, lane = threadIdx.x % kKeyLanes;
     const int slot = src.slot0 + (stage % kStagesPerBlock) * kStageKeys + slot_local;
     const int64_t tok = slot < src.len ? src.indices[slot] : -1;  // slots past the length are never read
     f.ok = sparse_token_in_cache(cache, tok);
-    if (quarter == 0) {
+    if (lane == 0) {
       valid[slot_local] = f.ok;
       pos[slot_local] = slot;
     }
@@ -297,45 +302,47 @@ struct SparseProblem {
     const int off = int(tok % cache.page_block_size);
     const uint8_t* rec = block + int64_t(off) * kRecordBytes;
 #pragma unroll
-    for (int c = 0; c < kNopeChunks; ++c) {
-      const uint8_t* src = rec + quarter * (kNopeChunks * 16) + c * 16;
-      f.nope[c] = kV32 ? __ldg(reinterpret_cast<const uint4*>(src)) : detail::load16_align8(src);
+    for (int j = 0; j < kNopeIters; ++j) {
+      const int chunk = j * kKeyLanes + lane;
+      if (chunk >= kNopeChunks) break;
+      const uint8_t* src = rec + chunk * 16;
+      f.nope[j] = kV32 ? __ldg(reinterpret_cast<const uint4*>(src)) : detail::load16_align8(src);
     }
-#pragma unroll
-    for (int c = 0; c < 2; ++c) {
-      const uint8_t* src = rec + kRopeOffset + quarter * 32 + c * 16;
-      f.rope[c] = kV32 ? __ldg(reinterpret_cast<const uint4*>(src)) : detail::load16_align8(src);
-    }
+    const uint8_t* rope = rec + kRopeOffset + lane * 16;
+    f.rope = kV32 ? __ldg(reinterpret_cast<const uint4*>(rope)) : detail::load16_align8(rope);
     if constexpr (kV32) {
-      f.scales.x = __ldg(reinterpret_cast<const unsigned*>(rec + 512 + 4 * quarter));
+      f.scales = __ldg(reinterpret_cast<const uint4*>(rec + 512));
     } else {
-      f.scales = __ldg(reinterpret_cast<const uint2*>(block + int64_t(cache.page_block_size) * 576 + int64_t(off) * 8));
+      const uint2 e = __ldg(reinterpret_cast<const uint2*>(block + int64_t(cache.page_block_size) * 576 + int64_t(off) * 8));
+      f.scales = make_uint4(e.x, e.y, 0, 0);
     }
   }
 
   __device__ void commit(const Prefetch& f, MmaT (*k)[kHeadDim + kPad]) const {
-    const int slot_local = threadIdx.x / 4, quarter = threadIdx.x % 4;
+    const int slot_local = threadIdx.x / kKeyLanes, lane = threadIdx.x % kKeyLanes;
     MmaT* row = k[slot_local];
     const uint4 zero = make_uint4(0, 0, 0, 0);
 #pragma unroll
-    for (int c = 0; c < kNopeChunks; ++c) {
-      const int d = quarter * (kNopeChunks * 16) + c * 16;
+    for (int j = 0; j < kNopeIters; ++j) {
+      const int chunk = j * kKeyLanes + lane;
+      if (chunk >= kNopeChunks) break;
+      const int d = chunk * 16;
       if (f.ok) {
         float scale;
         if constexpr (kV32) {
-          scale = __uint_as_float(f.scales.x);
+          const uint32_t bits[4] = {f.scales.x, f.scales.y, f.scales.z, f.scales.w};
+          scale = __uint_as_float(bits[j]);  // chunk j * 8 + lane lies in tile j
         } else {
           const int tile = d / 64;
           scale = detail::ue8m0(uint8_t((tile < 4 ? f.scales.x >> (8 * tile) : f.scales.y >> (8 * (tile - 4))) & 0xff));
         }
-        detail::dequant16(f.nope[c], scale, row + d);
+        detail::dequant16(f.nope[j], scale, row + d);
       } else {
         *reinterpret_cast<uint4*>(row + d) = zero;
         *reinterpret_cast<uint4*>(row + d + 8) = zero;
       }
     }
-#pragma unroll
-    for (int c = 0; c < 2; ++c) *reinterpret_cast<uint4*>(row + kNope + quarter * 16 + c * 8) = f.ok ? f.rope[c] : zero;
+    *reinterpret_cast<uint4*>(row + kNope + lane * 8) = f.ok ? f.rope : zero;
   }
 
   __device__ void store_row(const WorkItem& item, int s, int h, int col_base, int t4, const float* vals, float m,
@@ -383,18 +390,18 @@ struct PrefillProblem {
   }
 
   static constexpr int kChunks = D / 8;  // 16-byte pieces of a key row
-  static constexpr int kIters = kChunks / 4;  // four threads per key, as in DenseProblem
-  static_assert(kThreads == 4 * kStageKeys && kChunks % 4 == 0, "four threads per key, whole pieces each");
+  static constexpr int kIters = kChunks / kKeyLanes;  // eight threads per key, as in DenseProblem
+  static_assert(kChunks % kKeyLanes == 0, "eight threads per key, whole pieces each");
   struct Prefetch {};
 
   __device__ void fetch(const WorkItem& item, int stage, Prefetch&, MmaT (*k)[D + kPad], uint8_t* valid,
                         int* pos) const {
     const int s = item.req, len = length(s);
-    const int key = threadIdx.x / 4, quarter = threadIdx.x % 4;
+    const int key = threadIdx.x / kKeyLanes, lane = threadIdx.x % kKeyLanes;
     const int slot = stage * kStageKeys + key;
     const int tok = slot < len ? p.indices[s * p.indices_stride_s + slot] : -1;
     const bool ok = tok >= 0 && tok < p.s_kv;
-    if (quarter == 0) {
+    if (lane == 0) {
       valid[key] = ok;
       pos[key] = slot;
     }
@@ -402,7 +409,7 @@ struct PrefillProblem {
     const __nv_bfloat16* row = ok ? kv + int64_t(tok) * p.kv_stride_s : kv;
 #pragma unroll
     for (int j = 0; j < kIters; ++j) {
-      const int col = (j * 4 + quarter) * 8;
+      const int col = (j * kKeyLanes + lane) * 8;
       ptx::cp_async_16(&k[key][col], row + (ok ? col : 0), ok);
     }
   }
