@@ -20,9 +20,10 @@
 //     partials for the combine kernel.
 // Tile sizes: 16 query rows, 32 keys per stage, 3 stages, rows padded by 8 elements (16 bytes) so
 // ldmatrix rows fall in distinct banks. Shared memory: 142 KB at D = 576 (one CTA per SM).
-// Reached on an H200 (bench/RESULTS.md): see the table there; the memory-bound dense case
-// (h_q = 16) is bounded by the latency of one CTA's three barriers per stage, and h_q = 128 reads
-// every key into shared memory once per 16-row tile.
+// Reached on an H200 (bench/RESULTS.md, commit 50814c1): dense h_q=16 s_k=8192 2651 GB/s (62% of
+// the copy ceiling); dense h_q=128 s_k=4096 85 TFLOPS; sparse V3.2 h_q=128 topk 2048 56 TFLOPS.
+// Bounded by the latency of one CTA's three barriers per stage; h_q = 128 reads every key into
+// shared memory once per 16-row tile.
 #pragma once
 
 #include <cuda_runtime.h>
