@@ -5,7 +5,7 @@ Timing as ANCHORS.md: each call captured 10 times in one CUDA graph, median of 2
 FLOPs = 2 * h_q * s_q * sum(attended keys) * (d_qk + d_v); bytes = q + attended KV (each token once:
 2*576 B dense, 656 B V3.2, 584 B MODEL1) + out. Fractions are of the card's measured ceilings.
 
-Usage: python3 bench/bench_decode.py [--cases NAME,...] [--no-torch]
+Usage: python3 bench/bench_decode.py [--cases NAME,...] [--no-torch] [--impls default,portable]
 """
 
 import argparse
@@ -190,26 +190,36 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--cases", default=",".join(CASES))
     parser.add_argument("--no-torch", action="store_true", help="skip the plain PyTorch implementations")
+    parser.add_argument("--impls", default="default",
+                        help="comma-separated MLA_KERNELS_IMPL values to time side by side ('default': the "
+                             "dispatch's choice), e.g. default,portable")
     args = parser.parse_args()
+    impls = args.impls.split(",")
     torch.manual_seed(0)
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}; whole API call, CUDA graph of 10 calls, "
           f"median of 20 replays; ceilings {COPY_GBPS:.0f} GB/s copy, {MATMUL_TFLOPS:.0f} TFLOPS bf16")
     print(f"{'case':<44} {'us':>9} {'TFLOPS':>8} {'GB/s':>8} {'%mm':>6} {'%copy':>6} {'torch us':>10} {'speedup':>8}")
     for name in args.cases.split(","):
         ours, plain, flops, bytes_ = CASES[name]()
-        t = time_call(ours)
-        t_torch = float("nan")
-        if plain is not None and not args.no_torch:
-            try:
-                t_torch = time_call(plain, calls=2, replays=5)
-            except torch.OutOfMemoryError:
-                torch.cuda.empty_cache()
-        tflops, gbps = flops / t / 1e6, bytes_ / t / 1e3
-        print(f"{name:<44} {t:9.1f} {tflops:8.1f} {gbps:8.0f} {100 * tflops / MATMUL_TFLOPS:5.1f}% "
-              f"{100 * gbps / COPY_GBPS:5.1f}% {t_torch:10.1f} {t_torch / t:7.2f}x", flush=True)
+        for k, impl in enumerate(impls):
+            if impl == "default":
+                os.environ.pop("MLA_KERNELS_IMPL", None)
+            else:
+                os.environ["MLA_KERNELS_IMPL"] = impl
+            t = time_call(ours)
+            t_torch = float("nan")
+            if k == 0 and plain is not None and not args.no_torch:
+                try:
+                    t_torch = time_call(plain, calls=2, replays=5)
+                except torch.OutOfMemoryError:
+                    torch.cuda.empty_cache()
+            tflops, gbps = flops / t / 1e6, bytes_ / t / 1e3
+            label = name if len(impls) == 1 else f"{name} [{impl}]"
+            print(f"{label:<44} {t:9.1f} {tflops:8.1f} {gbps:8.0f} {100 * tflops / MATMUL_TFLOPS:5.1f}% "
+                  f"{100 * gbps / COPY_GBPS:5.1f}% {t_torch:10.1f} {t_torch / t:7.2f}x", flush=True)
+        os.environ.pop("MLA_KERNELS_IMPL", None)
         del ours, plain
         torch.cuda.empty_cache()
-
 
 if __name__ == "__main__":
     main()

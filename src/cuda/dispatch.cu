@@ -28,7 +28,15 @@ constexpr uint32_t kSparseAll = kFeatBF16 | kFeatHeadDim576 | kFeatHeadDim512 | 
 constexpr uint32_t kPrefillAll = kFeatBF16 | kFeatHeadDim576 | kFeatHeadDim512 | kFeatAttnSink | kFeatTopkLength |
                                  kFeatHeadsOver64;
 
+// BF16/FP16 caches with 64-token pages (TMA boxes of one page); FP8 and other page sizes fall
+// through to the portable kernel.
+constexpr uint32_t kDenseSm90 = kFeatBF16 | kFeatFP16 | kFeatHeadDim576 | kFeatHeadDim512 | kFeatCausal |
+                                kFeatPageSize64 | kFeatHeadsOver64;
+
 const std::vector<Implementation<DenseDecodeParams>> kDense = {
+#if defined(MLA_KERNELS_WITH_SM90A)
+    {{"sm90", OpKind::kDenseDecode, 90, 90, kDenseSm90}, sm90_dense_decode},
+#endif
     {{"portable", OpKind::kDenseDecode, 80, kAnyNewer, kDenseAll}, portable_dense_decode},
 };
 const std::vector<Implementation<SparseDecodeParams>> kSparse = {

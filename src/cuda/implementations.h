@@ -15,4 +15,7 @@ cudaError_t portable_dense_decode(const DenseDecodeParams& params, cudaStream_t 
 cudaError_t portable_sparse_decode(const SparseDecodeParams& params, cudaStream_t stream);
 cudaError_t portable_sparse_prefill(const SparsePrefillParams& params, cudaStream_t stream);
 
+// Hopper kernels (sm_90a builds only): wgmma, TMA, warpgroup specialisation.
+cudaError_t sm90_dense_decode(const DenseDecodeParams& params, cudaStream_t stream);
+
 }  // namespace mla::cuda

@@ -5,9 +5,11 @@
 
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <random>
 #include <vector>
 
+#include "mla/dispatch.h"
 #include "mla/formats.h"
 #include "mla/mla.h"
 #include "mla/reference.h"
@@ -156,6 +158,29 @@ TEST(CudaCombine, MatchesHostCombine) {
       }
   }
   EXPECT_GT(split_rows, 0);
+}
+
+// On a Hopper GPU dense decode over 64-token pages runs the sm90 kernel; what it lacks (FP8,
+// other page sizes) and MLA_KERNELS_IMPL=portable reach the portable kernel.
+TEST(CudaDispatch, DenseDecodePicksTheHopperKernelOnSm90) {
+  int major = 0, minor = 0;
+  ASSERT_EQ(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0), cudaSuccess);
+  ASSERT_EQ(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, 0), cudaSuccess);
+  DenseDecodeParams p;
+  p.b = 4, p.s_q = 2, p.h_q = 128, p.h_k = 1, p.page_block_size = 64, p.causal = true;
+  const bool hopper = major == 9 && minor == 0;
+  for (DType dtype : {DType::kBF16, DType::kFP16}) {
+    p.dtype = dtype;
+    EXPECT_STREQ(cuda::implementation_name(OpKind::kDenseDecode, required_features(p)), hopper ? "sm90" : "portable");
+  }
+  p.dtype = DType::kFP8E4M3;
+  EXPECT_STREQ(cuda::implementation_name(OpKind::kDenseDecode, required_features(p)), "portable");
+  p.dtype = DType::kBF16, p.page_block_size = 16;
+  EXPECT_STREQ(cuda::implementation_name(OpKind::kDenseDecode, required_features(p)), "portable");
+  p.page_block_size = 64;
+  ASSERT_EQ(setenv("MLA_KERNELS_IMPL", "portable", 1), 0);
+  EXPECT_STREQ(cuda::implementation_name(OpKind::kDenseDecode, required_features(p)), "portable");
+  unsetenv("MLA_KERNELS_IMPL");
 }
 
 }  // namespace

@@ -8,6 +8,7 @@
 #include <climits>
 #include <type_traits>
 
+#include "../common/decode_io.cuh"
 #include "attention.cuh"
 #include "mla/sparse_slots.h"
 
@@ -53,58 +54,25 @@ __device__ __forceinline__ float ue8m0(uint8_t e) {
   return __int_as_float(int(e) << 23);
 }
 
-template <typename T>
-__device__ __forceinline__ void store_pair(T* dst, float a, float b) {
-  *reinterpret_cast<uint32_t*>(dst) = ptx::pack2<T>(a, b);
-}
-
-__device__ __forceinline__ PlanRow load_row(const int32_t* tsm, int part) {
-  return reinterpret_cast<const PlanRow*>(tsm)[part];
-}
-
-// Work items of a decode part: the pieces of its plan row, each a range of 64-key plan blocks.
-// A row naming requests outside [0, b) (a plan of another batch) is clamped: no request of this
-// call is read or written out of range, whatever the metadata holds.
+// Work items of a decode part: its plan pieces, in stages of kStageKeys keys.
 __device__ __forceinline__ int decode_items(const DecodeSplit& split, int b, int part) {
-  const PlanRow row = load_row(split.tile_scheduler_metadata, part);
-  if (row.begin_req < 0 || row.begin_req >= b || row.end_req < row.begin_req) return 0;
-  return min(row.end_req, b - 1) - row.begin_req + 1;
+  return decode_io::num_pieces(split, b, part);
 }
 __device__ __forceinline__ WorkItem decode_item(const DecodeSplit& split, const DecodePlanParams& plan, int part,
                                                 int k) {
-  const PlanRow row = load_row(split.tile_scheduler_metadata, part);
-  const PlanPiece pc = plan_piece(row, split.num_splits, k, request_blocks(plan, row.begin_req + k));
+  const PlanPiece pc = decode_io::piece(split, plan, part, k);
   constexpr int kStagesPerBlock = kPlanBlockSize / kStageKeys;
   return {pc.req, pc.block_begin * kStagesPerBlock, pc.block_end * kStagesPerBlock, pc.is_split, pc.split_index};
 }
 
-// Writes one output row (this thread's 2 * kNTilesO columns) of a decode piece.
 template <typename OutT>
 __device__ __forceinline__ void store_decode_row(const DecodeOutput& o, const DecodeSplit& split, int b, int s_q, int h_q,
                                                  const WorkItem& item, int s, int h, int col_base, int t4,
                                                  const float* vals, float m, float l, float v_scale, float sink,
                                                  bool write_stats) {
-  const int i = item.req;
-  if (item.is_split) {
-    // Split rows live in [0, b + num_sm_parts); a foreign plan must not write outside them.
-    if (item.split_index < 0 || item.split_index >= b + split.num_sm_parts) return;
-    const int64_t row = (int64_t(item.split_index) * s_q + s) * h_q + h;
-    const float inv = l > 0.f ? v_scale / l : 0.f;
-    float* dst = split.o_accum + row * kHeadDimV + col_base + 2 * t4;
-#pragma unroll
-    for (int n = 0; n < kNTilesO; ++n)
-      *reinterpret_cast<float2*>(dst + n * 8) = make_float2(vals[2 * n] * inv, vals[2 * n + 1] * inv);
-    if (write_stats) split.lse_accum[row] = l > 0.f ? log2f(l) + m : -INFINITY;
-  } else {
-    const float scale = l > 0.f ? v_scale / (l + exp2f(sink * kLog2e - m)) : 0.f;
-    OutT* dst = static_cast<OutT*>(o.out) + i * o.out_stride_b + s * o.out_stride_s + h * o.out_stride_h +
-                col_base + 2 * t4;
-#pragma unroll
-    for (int n = 0; n < kNTilesO; ++n) store_pair(dst + n * 8, vals[2 * n] * scale, vals[2 * n + 1] * scale);
-    if (write_stats)
-      o.lse[i * o.lse_stride_b + s * o.lse_stride_s + h * o.lse_stride_h] =
-          l > 0.f ? (log2f(l) + m) * kLn2 : INFINITY;
-  }
+  decode_io::store_row<kNTilesO, OutT>(o, split, b, s_q, h_q, item.req, item.is_split, item.split_index, s, h,
+                                       col_base, t4, [&](int n) { return make_float2(vals[2 * n], vals[2 * n + 1]); },
+                                       m, l, v_scale, sink, write_stats);
 }
 
 }  // namespace detail
@@ -423,7 +391,7 @@ struct PrefillProblem {
     const float scale = l > 0.f ? 1.f / (l + exp2f(sink * kLog2e - m)) : 0.f;
     auto* dst = reinterpret_cast<__nv_bfloat16*>(p.out) + (int64_t(s) * p.h_q + h) * kHeadDimV + col_base + 2 * t4;
 #pragma unroll
-    for (int n = 0; n < kNTilesO; ++n) detail::store_pair(dst + n * 8, vals[2 * n] * scale, vals[2 * n + 1] * scale);
+    for (int n = 0; n < kNTilesO; ++n) decode_io::store_pair(dst + n * 8, vals[2 * n] * scale, vals[2 * n + 1] * scale);
     if (write_stats) {
       const float unit = p.log2_stats ? 1.f : kLn2;
       const int64_t row = int64_t(s) * p.h_q + h;

@@ -1,0 +1,505 @@
+// Hopper (sm_90a) dense MLA decode: BF16/FP16 paged caches with 64-token pages, d_qk 576 or 512,
+// d_v 512, any h_q with h_q % h_k == 0 (s_q x h_q / h_k query rows folded into 64-row tiles),
+// bottom-right causal masking for s_q > 1.
+//
+// Schedule (256 threads = two warpgroups, one CTA per (64-row tile, KV head, plan part), a
+// persistent loop over the part's pieces; one CTA per SM):
+//   * Q (64 x D) is copied into shared memory once per piece in the 128-byte swizzle; at D = 576
+//     each warpgroup also keeps Q's last 64 columns in registers, and that tile's shared memory
+//     becomes P1's buffer;
+//   * keys come in 64-token blocks (one page) through TMA, 64 x 64 tiles completing on one
+//     mbarrier each, into two buffers K0 / K1 (V is the first 512 columns of the same rows);
+//   * the two warpgroups take the blocks of a pair in turn and share one running max per row
+//     ("seesaw"): WG0 owns O[:, 0:256], WG1 O[:, 256:512], both in registers (64 x 256 fp32 each):
+//       WG0: S0 = Q K0^T; m0 = max(m, rowmax S0); P0 = exp2(S0 - m0); O_L = O_L a0 + P0 V0L
+//       WG1: S1 = Q K1^T; m1 = max(m0, rowmax S1); P1 = exp2(S1 - m1) -> smem;
+//            O_R = O_R a0 s1 + P1 V1R                        (s1 = exp2(m0 - m1))
+//       WG0: P0 s1 -> smem; O_L = O_L s1 + P1 V1L
+//       WG1: O_R += (P0 s1) V0R
+//     so one warpgroup's softmax overlaps the other's matrix work;
+//   * each 64 x 64 tile is reloaded with the next pair's block by the warpgroup that uses it last,
+//     as soon as it is done with it (K0's V0L tiles and RoPE tile by WG0 after O_L += P0 V0L, and
+//     so on), so the next loads are in flight while the pair finishes;
+//   * the tail of a request's last page past its length is zeroed in shared memory before use,
+//     and invalid block-table entries load as zeros (out-of-bounds TMA) and are masked;
+//   * epilogue: whole pieces write out/lse, split pieces fp32 partials; the combine kernel follows
+//     with programmatic dependent launch.
+// Tile sizes: BLOCK_M 64 rows, 64 keys per block, 64 x 64 TMA tiles (128-byte swizzle), two key
+// buffers. Shared memory at D = 576: Q 72 KB + K 144 KB + P0 8 KB (P1 over Q's last tile) = 225 KB.
+#include <cuda.h>
+#include <cudaTypedefs.h>
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <climits>
+#include <cstdint>
+#include <type_traits>
+
+#include "../common/decode_io.cuh"
+#include "../implementations.h"
+#include "ptx_sm90.cuh"
+
+namespace mla::cuda {
+
+namespace sm90 {
+
+constexpr int kThreads = 256;
+constexpr int kBlockM = 64;          // query rows per CTA
+constexpr int kBlockN = 64;          // keys per block = page size = plan block
+constexpr int kTileCols = 64;        // columns of a 64 x 64 tile (128 bytes of 16-bit elements)
+constexpr int kTileBytes = kBlockN * 128;
+constexpr int kVTilesPerWg = 4;      // each warpgroup owns 256 output columns = 4 tiles
+constexpr int kONTiles = 32;         // mma n8 tiles in a warpgroup's 64 x 256 output
+static_assert(kBlockN == kPlanBlockSize, "one key block per plan block");
+
+// Named barriers (0 is __syncthreads).
+enum Barrier : int {
+  kBarM0 = 1,    // WG0 published m0
+  kBarP1 = 2,    // WG1 published m1, s1 and P1
+  kBarP0 = 3,    // WG0 published P0 * s1
+  kBarWg0 = 4,   // WG0 alone
+  kBarWg1 = 5,   // WG1 alone
+};
+
+template <int D>
+struct Smem {
+  static constexpr int kTiles = D / kTileCols;  // 9 or 8
+  // At D = 576 P0 / P1 live in the RoPE tile of K0 / K1, which only S of that block reads.
+  static constexpr bool kPInRope = D == 576;
+  uint8_t q[kTiles][kTileBytes];
+  uint8_t k[2][kTiles][kTileBytes];
+  uint8_t p_own[2][kPInRope ? 16 : kTileBytes];
+  float m[kBlockM];       // the shared running max (log2 domain)
+  float s1[kBlockM];      // WG1's rescale factor of the pair
+  float l[2][kBlockM];    // row sums of each warpgroup, reduced in the epilogue
+  uint64_t full[2][kTiles];
+  __device__ uint8_t* p(int buf) { return kPInRope ? k[buf][kTiles - 1] : p_own[buf]; }
+};
+
+struct Args {
+  CUtensorMap kmap;  // the cache as [num_blocks, page 64, h_k, D] elements, 64 x 64 boxes
+  DenseDecodeParams p;
+};
+
+// Byte offset of element (r, c) (c even: a pair) in a 64 x 64 tile with the 128-byte swizzle.
+__device__ __forceinline__ int swz(int r, int c) { return r * 128 + ((((c >> 3) ^ (r & 7))) << 4) + (c & 7) * 2; }
+
+template <typename T>
+__device__ __forceinline__ uint32_t pack(float lo, float hi) {
+  return ptx::pack2<T>(lo, hi);
+}
+template <typename T>
+__device__ __forceinline__ float2 unpack(uint32_t v) {
+  if constexpr (std::is_same_v<T, __half>) return __half22float2(*reinterpret_cast<const __half2*>(&v));
+  else return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v));
+}
+
+#if defined(MLA_SM90A_DEVICE)
+
+template <int D>
+__device__ __forceinline__ void issue_tiles(Smem<D>& sm, const Args& a, int buf, int page, int group, int t_begin,
+                                            int t_end, uint64_t policy) {
+  for (int t = t_begin; t < t_end; ++t) {
+    mbar_expect_tx(&sm.full[buf][t], kTileBytes);
+    tma_load_4d(sm.k[buf][t], &a.kmap, &sm.full[buf][t], t * kTileCols, group, 0, page, policy);
+  }
+}
+
+// S = Q K^T over the block in buffer `buf` (tiles waited for in order, so the first tiles'
+// products start while later tiles land).
+template <typename T, int D>
+__device__ __forceinline__ void qk(Smem<D>& sm, int buf, uint32_t parity, bool waited, float (&s)[32]) {
+  wgmma_fence();
+#pragma unroll
+  for (int t = 0; t < Smem<D>::kTiles; ++t) {
+    if (!waited) mbar_wait(&sm.full[buf][t], parity);
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk)
+      wgmma_ss_k<T>(s, smem_desc(sm.q[t] + kk * 32, 0, 1024), smem_desc(sm.k[buf][t] + kk * 32, 0, 1024),
+                    t > 0 || kk > 0);
+  }
+  wgmma_commit();
+  wgmma_wait<0>();
+  fence_regs(s);
+}
+
+// O (this warpgroup's 256 columns) += P V, P in registers, V = tiles [v_tile, v_tile + 4) of `buf`.
+template <typename T, int D>
+__device__ __forceinline__ void pv_rs(Smem<D>& sm, int buf, int v_tile, const uint32_t (&pa)[4][4], float (&o)[128]) {
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk)
+    wgmma_rs_v<T>(o, pa[kk], smem_desc(sm.k[buf][v_tile] + kk * 2048, kTileBytes, 1024), 1);
+  wgmma_commit();
+}
+// The same with P from a shared-memory tile.
+template <typename T, int D>
+__device__ __forceinline__ void pv_ss(Smem<D>& sm, const uint8_t* p_tile, int buf, int v_tile, float (&o)[128]) {
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk)
+    wgmma_ss_v<T>(o, smem_desc(p_tile + kk * 32, 0, 1024), smem_desc(sm.k[buf][v_tile] + kk * 2048, kTileBytes, 1024),
+                  1);
+  wgmma_commit();
+}
+
+#endif  // MLA_SM90A_DEVICE
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kThreads, 1) dense_decode_kernel(const __grid_constant__ Args args) {
+#if defined(MLA_SM90A_DEVICE)
+  using SmemT = Smem<D>;
+  constexpr int kTiles = SmemT::kTiles;
+  const DenseDecodeParams& p = args.p;
+  extern __shared__ uint8_t smem_raw[];
+  SmemT& sm = *reinterpret_cast<SmemT*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+
+  const int tid = threadIdx.x, wg = tid / 128, wtid = tid % 128;
+  const int warp = wtid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
+  const int rr[2] = {warp * 16 + g, warp * 16 + g + 8};  // this thread's two rows of the tile
+  const int group = blockIdx.y, part = blockIdx.z;
+  const int hpg = p.h_q / p.h_k, num_rows = p.s_q * hpg, row_base = blockIdx.x * kBlockM;
+  const DecodePlanParams plan = dense_plan_params(p);
+  const float scale_log2 = p.softmax_scale * decode_io::kLog2e;
+  const uint64_t policy = evict_first_policy();
+
+  if (tid == 0) {
+    for (int b = 0; b < 2; ++b)
+      for (int t = 0; t < kTiles; ++t) mbar_init(&sm.full[b][t], 1);
+    fence_barrier_init();
+  }
+  __syncthreads();
+
+  uint32_t rounds[2] = {0, 0};  // loads issued into each buffer so far (mbarrier phases)
+  const int num_pieces = decode_io::num_pieces(p.split, p.b, part);
+  for (int k = 0; k < num_pieces; ++k) {
+    const PlanPiece pc = decode_io::piece(p.split, plan, part, k);
+    const int i = pc.req, len = dense_len(plan, i);
+    const int block_end = min(pc.block_end, ceil_div(len, kBlockN));
+    const int block_begin = min(pc.block_begin, block_end);
+    const int n_blocks = block_end - block_begin;
+    const int32_t* table = p.block_table + int64_t(i) * p.block_table_stride;
+    // Page of key block kb, or num_blocks (out of bounds: TMA loads zeros) when the entry is invalid.
+    auto page_of = [&](int kb) {
+      if (kb >= p.max_blocks_per_seq) return p.num_blocks;
+      const int pg = table[kb];
+      return pg < 0 || pg >= p.num_blocks ? p.num_blocks : pg;
+    };
+    __syncthreads();  // the previous piece is done with Q, P and both buffers
+
+    // ---- Q -> shared memory (swizzled), rows past the tile's live rows zero ------------------
+    {
+      const T* q = static_cast<const T*>(p.q);
+      constexpr int kChunks = D / 8;  // 16-byte chunks per row
+      const bool vec = ((reinterpret_cast<uintptr_t>(q) | (p.q_stride_b | p.q_stride_s | p.q_stride_h) * 2) & 15) == 0;
+      for (int c = tid; c < kBlockM * kChunks; c += kThreads) {
+        const int r = c / kChunks, ch = c % kChunks, row = row_base + r;
+        uint4 v = make_uint4(0, 0, 0, 0);
+        if (row < num_rows) {
+          const int s = row / hpg, h = group * hpg + row % hpg;
+          const T* src = q + i * p.q_stride_b + s * p.q_stride_s + h * p.q_stride_h + ch * 8;
+          if (vec) {
+            v = __ldg(reinterpret_cast<const uint4*>(src));
+          } else {
+            uint16_t e[8];
+            for (int j = 0; j < 8; ++j) e[j] = reinterpret_cast<const uint16_t*>(src)[j];
+            v = make_uint4(e[0] | uint32_t(e[1]) << 16, e[2] | uint32_t(e[3]) << 16, e[4] | uint32_t(e[5]) << 16,
+                           e[6] | uint32_t(e[7]) << 16);
+          }
+        }
+        *reinterpret_cast<uint4*>(sm.q[ch / 8] + r * 128 + (((ch % 8) ^ (r % 8)) << 4)) = v;
+      }
+      fence_proxy_async();
+    }
+    __syncthreads();
+
+    if (tid == 0) {
+      if (n_blocks > 0) issue_tiles(sm, args, 0, page_of(block_begin), group, 0, kTiles, policy);
+      if (n_blocks > 1) issue_tiles(sm, args, 1, page_of(block_begin + 1), group, 0, kTiles, policy);
+    }
+
+    // The last key position each row may see (bottom-right causal for s_q > 1).
+    int row_limit[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = row_base + rr[h];
+      row_limit[h] = (!p.causal || p.s_q == 1) ? INT_MAX : row / hpg + len - p.s_q;
+    }
+
+    float m_prev[2] = {-INFINITY, -INFINITY};  // the shared running max before this pair
+    float l_own[2] = {0.f, 0.f};               // this thread's part of its rows' sums
+    float o[128];
+#pragma unroll
+    for (int j = 0; j < 128; ++j) o[j] = 0.f;
+
+    for (int j = 0; j < n_blocks; j += 2) {
+      const int kb0 = block_begin + j, kb1 = kb0 + 1;
+      const bool has1 = j + 1 < n_blocks, next0 = j + 2 < n_blocks, next1 = j + 3 < n_blocks;
+      const uint32_t par0 = rounds[0] & 1, par1 = rounds[1] & 1;
+      const int kb = wg == 0 ? kb0 : kb1;  // the block whose S this warpgroup computes
+      const int buf = wg;
+      const bool mine = wg == 0 || has1;
+      const uint32_t parity = wg == 0 ? par0 : par1;
+
+      // ---- S of this warpgroup's block ------------------------------------------------------
+      float s[32];
+      const int valid_keys = min(kBlockN, len - kb * kBlockN);
+      const bool page_ok = kb < p.max_blocks_per_seq && table[kb] >= 0 && table[kb] < p.num_blocks;
+      if (mine) {
+        bool waited = false;
+        if (valid_keys < kBlockN) {
+          // The tail of the request's last page is garbage (maybe NaN): zero it so 0 * V stays 0.
+          for (int t = 0; t < kTiles; ++t) mbar_wait(&sm.full[buf][t], parity);
+          const int rows = kBlockN - valid_keys;
+          for (int c = wtid; c < rows * kTiles * 8; c += 128) {
+            const int t = c / (rows * 8), r = valid_keys + (c / 8) % rows, ch = c % 8;
+            *reinterpret_cast<uint4*>(sm.k[buf][t] + r * 128 + ch * 16) = make_uint4(0, 0, 0, 0);
+          }
+          fence_proxy_async();
+          named_sync(wg == 0 ? kBarWg0 : kBarWg1, 128);
+          waited = true;
+        }
+        qk<T, D>(sm, buf, parity, waited, s);
+      }
+      float row_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+      for (int n = 0; n < 8; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int h = e / 2, key = kb * kBlockN + n * 8 + 2 * t4 + (e % 2);
+          const bool ok = mine && page_ok && key < len && key <= row_limit[h];
+          s[n * 4 + e] = ok ? s[n * 4 + e] * scale_log2 : -INFINITY;
+          row_max[h] = fmaxf(row_max[h], s[n * 4 + e]);
+        }
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        row_max[h] = fmaxf(row_max[h], __shfl_xor_sync(0xffffffffu, row_max[h], 1));
+        row_max[h] = fmaxf(row_max[h], __shfl_xor_sync(0xffffffffu, row_max[h], 2));
+      }
+
+      if (wg == 0) {
+        // ---- WG0: m0, P0, O_L = O_L a0 + P0 V0L ------------------------------------------------
+        float m0[2], a0[2], sum[2] = {0.f, 0.f};
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          m0[h] = fmaxf(m_prev[h], row_max[h]);
+          a0[h] = m0[h] == -INFINITY ? 1.f : exp2f(m_prev[h] - m0[h]);
+        }
+#pragma unroll
+        for (int n = 0; n < 32; ++n) {
+          const int h = (n % 4) / 2;
+          const float v = s[n];
+          s[n] = m0[h] == -INFINITY ? 0.f : exp2f(v - m0[h]);
+          sum[h] += s[n];
+        }
+        if (t4 == 0) sm.m[rr[0]] = m0[0], sm.m[rr[1]] = m0[1];
+        named_arrive(kBarM0, kThreads);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) l_own[h] = l_own[h] * a0[h] + sum[h];
+#pragma unroll
+        for (int n = 0; n < kONTiles; ++n) o[4 * n] *= a0[0], o[4 * n + 1] *= a0[0], o[4 * n + 2] *= a0[1],
+                                             o[4 * n + 3] *= a0[1];
+        uint32_t pa[4][4];
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+          pa[kk][0] = pack<T>(s[8 * kk + 0], s[8 * kk + 1]);
+          pa[kk][1] = pack<T>(s[8 * kk + 2], s[8 * kk + 3]);
+          pa[kk][2] = pack<T>(s[8 * kk + 4], s[8 * kk + 5]);
+          pa[kk][3] = pack<T>(s[8 * kk + 6], s[8 * kk + 7]);
+        }
+        pv_rs<T, D>(sm, 0, 0, pa, o);
+
+        // ---- wait for WG1's m1, s1, P1 -------------------------------------------------------
+        named_sync(kBarP1, kThreads);
+        wgmma_wait<0>();
+        fence_regs(o);
+        named_sync(kBarWg0, 128);  // all of WG0 is done reading K0's V0L tiles
+        if (wtid == 0 && next0) issue_tiles(sm, args, 0, page_of(kb0 + 2), group, 0, kVTilesPerWg, policy);
+        float s1[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) s1[h] = sm.s1[rr[h]], m_prev[h] = sm.m[rr[h]];
+        // P0 s1 for WG1's O_R += P0 V0R (from the rounded P0 already in registers).
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int h = e % 2;
+            const float2 v = unpack<T>(pa[kk][e]);
+            *reinterpret_cast<uint32_t*>(sm.p(0) + swz(rr[h], kk * 16 + (e / 2) * 8 + 2 * t4)) =
+                pack<T>(v.x * s1[h], v.y * s1[h]);
+          }
+        fence_proxy_async();
+        named_arrive(kBarP0, kThreads);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) l_own[h] *= s1[h];
+#pragma unroll
+        for (int n = 0; n < kONTiles; ++n) o[4 * n] *= s1[0], o[4 * n + 1] *= s1[0], o[4 * n + 2] *= s1[1],
+                                             o[4 * n + 3] *= s1[1];
+        if (has1) {
+          for (int t = 0; t < kVTilesPerWg; ++t) mbar_wait(&sm.full[1][t], par1);
+          pv_ss<T, D>(sm, sm.p(1), 1, 0, o);
+          wgmma_wait<0>();
+          fence_regs(o);
+          named_sync(kBarWg0, 128);  // all of WG0 is done reading K1's V1L tiles (and P1)
+          if (wtid == 0 && next1) {
+            const int pg = page_of(kb1 + 2);
+            issue_tiles(sm, args, 1, pg, group, 0, kVTilesPerWg, policy);
+            if (kTiles > 2 * kVTilesPerWg) issue_tiles(sm, args, 1, pg, group, 2 * kVTilesPerWg, kTiles, policy);
+          }
+        }
+      } else {
+        // ---- WG1: m1, s1, P1 -> smem, O_R = O_R a0 s1 + P1 V1R, then O_R += P0 V0R ------------
+        named_sync(kBarM0, kThreads);
+        float m0[2], m1[2], f[2], s1[2], sum[2] = {0.f, 0.f};
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          m0[h] = sm.m[rr[h]];
+          m1[h] = fmaxf(m0[h], row_max[h]);
+          s1[h] = m1[h] == -INFINITY ? 1.f : exp2f(m0[h] - m1[h]);
+          const float a0 = m0[h] == -INFINITY ? 1.f : exp2f(m_prev[h] - m0[h]);
+          f[h] = a0 * s1[h];
+        }
+#pragma unroll
+        for (int n = 0; n < 32; ++n) {
+          const int h = (n % 4) / 2;
+          const float v = s[n];
+          s[n] = m1[h] == -INFINITY ? 0.f : exp2f(v - m1[h]);
+          sum[h] += s[n];
+        }
+        if (t4 == 0) {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) sm.m[rr[h]] = m1[h], sm.s1[rr[h]] = s1[h];
+        }
+        uint8_t* p1 = sm.p(1);
+#pragma unroll
+        for (int n = 0; n < 8; ++n)
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+            *reinterpret_cast<uint32_t*>(p1 + swz(rr[h], n * 8 + 2 * t4)) = pack<T>(s[4 * n + 2 * h], s[4 * n + 2 * h + 1]);
+        fence_proxy_async();
+        named_arrive(kBarP1, kThreads);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          m_prev[h] = m1[h];
+          l_own[h] = l_own[h] * f[h] + sum[h];
+        }
+#pragma unroll
+        for (int n = 0; n < kONTiles; ++n) o[4 * n] *= f[0], o[4 * n + 1] *= f[0], o[4 * n + 2] *= f[1],
+                                             o[4 * n + 3] *= f[1];
+        if (has1) {
+          uint32_t pa[4][4];
+#pragma unroll
+          for (int kk = 0; kk < 4; ++kk) {
+            pa[kk][0] = pack<T>(s[8 * kk + 0], s[8 * kk + 1]);
+            pa[kk][1] = pack<T>(s[8 * kk + 2], s[8 * kk + 3]);
+            pa[kk][2] = pack<T>(s[8 * kk + 4], s[8 * kk + 5]);
+            pa[kk][3] = pack<T>(s[8 * kk + 6], s[8 * kk + 7]);
+          }
+          pv_rs<T, D>(sm, 1, kVTilesPerWg, pa, o);
+          wgmma_wait<0>();
+          fence_regs(o);
+          named_sync(kBarWg1, 128);  // all of WG1 is done reading K1's V1R tiles
+          if (wtid == 0 && next1) issue_tiles(sm, args, 1, page_of(kb1 + 2), group, kVTilesPerWg, 2 * kVTilesPerWg, policy);
+        }
+        named_sync(kBarP0, kThreads);
+        for (int t = kVTilesPerWg; t < 2 * kVTilesPerWg; ++t) mbar_wait(&sm.full[0][t], par0);
+        pv_ss<T, D>(sm, sm.p(0), 0, kVTilesPerWg, o);
+        wgmma_wait<0>();
+        fence_regs(o);
+        named_sync(kBarWg1, 128);  // all of WG1 is done reading K0's V0R tiles (and P0)
+        if (wtid == 0 && next0) issue_tiles(sm, args, 0, page_of(kb0 + 2), group, kVTilesPerWg, kTiles, policy);
+      }
+      ++rounds[0];
+      if (has1) ++rounds[1];
+    }
+
+    // ---- epilogue ----------------------------------------------------------------------------
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      l_own[h] += __shfl_xor_sync(0xffffffffu, l_own[h], 1);
+      l_own[h] += __shfl_xor_sync(0xffffffffu, l_own[h], 2);
+      if (t4 == 0) sm.l[wg][rr[h]] = l_own[h];
+    }
+    __syncthreads();
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = row_base + rr[h];
+      if (row >= num_rows) continue;
+      const float l = sm.l[0][rr[h]] + sm.l[1][rr[h]];
+      const int s = row / hpg, head = group * hpg + row % hpg;
+      decode_io::store_row<kONTiles, T>(p.o, p.split, p.b, p.s_q, p.h_q, i, pc.is_split, pc.split_index, s, head,
+                                        wg * 256, t4,
+                                        [&](int n) { return make_float2(o[4 * n + 2 * h], o[4 * n + 2 * h + 1]); },
+                                        m_prev[h], l, 1.f, -INFINITY, wg == 0 && t4 == 0);
+    }
+  }
+#endif  // MLA_SM90A_DEVICE
+}
+
+// ---- host side -------------------------------------------------------------------------------
+
+PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* ptr = nullptr;
+    cudaDriverEntryPointQueryResult status{};
+    const cudaError_t err =
+        cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault, &status);
+    return err == cudaSuccess && status == cudaDriverEntryPointSuccess
+               ? reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(ptr)
+               : nullptr;
+  }();
+  return fn;
+}
+
+template <typename T, int D>
+cudaError_t launch(const DenseDecodeParams& p, cudaStream_t stream) {
+  Args args;
+  args.p = p;
+  const auto encode = encode_fn();
+  if (!encode) return cudaErrorNotSupported;
+  const cuuint64_t dims[4] = {cuuint64_t(D), cuuint64_t(p.h_k), cuuint64_t(p.page_block_size), cuuint64_t(p.num_blocks)};
+  const cuuint64_t strides[3] = {cuuint64_t(p.k_stride_head) * 2, cuuint64_t(p.k_stride_token) * 2,
+                                 cuuint64_t(p.k_stride_block) * 2};
+  const cuuint32_t box[4] = {kTileCols, 1, kBlockN, 1};
+  const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
+  const CUresult res = encode(&args.kmap, std::is_same_v<T, __half> ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+                              4, const_cast<void*>(p.k_cache), dims, strides, box, elem_strides,
+                              CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                              CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (res != CUDA_SUCCESS) return cudaErrorInvalidValue;
+
+  constexpr int smem = int(sizeof(Smem<D>)) + 1024;  // + alignment of the tiles to 1024 bytes
+  static std::atomic<uint64_t> configured{0};
+  int dev = 0;
+  cudaError_t err = cudaGetDevice(&dev);
+  if (err != cudaSuccess) return err;
+  const uint64_t bit = uint64_t(1) << (dev & 63);
+  if (!(configured.load(std::memory_order_acquire) & bit)) {
+    err = cudaFuncSetAttribute(dense_decode_kernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (err != cudaSuccess) return err;
+    configured.fetch_or(bit, std::memory_order_release);
+  }
+  const int rows = p.s_q * (p.h_q / p.h_k);
+  const dim3 grid(unsigned(ceil_div(rows, kBlockM)), unsigned(p.h_k), unsigned(p.split.num_sm_parts));
+  dense_decode_kernel<T, D><<<grid, kThreads, smem, stream>>>(args);
+  return cudaGetLastError();
+}
+
+}  // namespace sm90
+
+cudaError_t sm90_dense_decode(const DenseDecodeParams& p, cudaStream_t stream) {
+  cudaError_t err;
+  const bool d576 = p.d_qk == kHeadDimV32;
+  if (p.dtype == DType::kFP16)
+    err = d576 ? sm90::launch<__half, 576>(p, stream) : sm90::launch<__half, 512>(p, stream);
+  else
+    err = d576 ? sm90::launch<__nv_bfloat16, 576>(p, stream) : sm90::launch<__nv_bfloat16, 512>(p, stream);
+  if (err != cudaSuccess) return err;
+  CombineParams c;
+  c.b = p.b, c.s_q = p.s_q, c.h_q = p.h_q;
+  c.split = p.split;
+  c.o = p.o;
+  return combine(c, stream, /*pdl=*/true);
+}
+
+}  // namespace mla::cuda
