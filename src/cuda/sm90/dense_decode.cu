@@ -154,7 +154,9 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_kernel(const __grid_
   extern __shared__ uint8_t smem_raw[];
   SmemT& sm = *reinterpret_cast<SmemT*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
 
-  const int tid = threadIdx.x, wg = tid / 128, wtid = tid % 128;
+  // Warp-uniform values go through a shuffle so that the compiler knows them uniform: a wgmma
+  // under a branch it cannot prove uniform gets serialised.
+  const int tid = threadIdx.x, wg = __shfl_sync(0xffffffffu, tid / 128, 0), wtid = tid % 128;
   const int warp = wtid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
   const int rr[2] = {warp * 16 + g, warp * 16 + g + 8};  // this thread's two rows of the tile
   const int group = blockIdx.y, part = blockIdx.z;
@@ -174,10 +176,10 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_kernel(const __grid_
   const int num_pieces = decode_io::num_pieces(p.split, p.b, part);
   for (int k = 0; k < num_pieces; ++k) {
     const PlanPiece pc = decode_io::piece(p.split, plan, part, k);
-    const int i = pc.req, len = dense_len(plan, i);
+    const int i = __shfl_sync(0xffffffffu, pc.req, 0), len = __shfl_sync(0xffffffffu, dense_len(plan, i), 0);
     const int block_end = min(pc.block_end, ceil_div(len, kBlockN));
-    const int block_begin = min(pc.block_begin, block_end);
-    const int n_blocks = block_end - block_begin;
+    const int block_begin = __shfl_sync(0xffffffffu, min(pc.block_begin, block_end), 0);
+    const int n_blocks = __shfl_sync(0xffffffffu, block_end - block_begin, 0);
     const int32_t* table = p.block_table + int64_t(i) * p.block_table_stride;
     // Page of key block kb, or num_blocks (out of bounds: TMA loads zeros) when the entry is invalid.
     auto page_of = [&](int kb) {
