@@ -4,28 +4,39 @@
 //
 // Schedule (256 threads = two warpgroups, one CTA per (64-row tile, KV head, plan part), a
 // persistent loop over the part's pieces; one CTA per SM):
-//   * Q (64 x D) is copied into shared memory once per piece in the 128-byte swizzle; at D = 576
-//     each warpgroup also keeps Q's last 64 columns in registers, and that tile's shared memory
-//     becomes P1's buffer;
+//   * Q (64 x D) is copied into shared memory once per piece in the 128-byte swizzle;
 //   * keys come in 64-token blocks (one page) through TMA, 64 x 64 tiles completing on one
 //     mbarrier each, into two buffers K0 / K1 (V is the first 512 columns of the same rows);
 //   * the two warpgroups take the blocks of a pair in turn and share one running max per row
-//     ("seesaw"): WG0 owns O[:, 0:256], WG1 O[:, 256:512], both in registers (64 x 256 fp32 each):
-//       WG0: S0 = Q K0^T; m0 = max(m, rowmax S0); P0 = exp2(S0 - m0); O_L = O_L a0 + P0 V0L
-//       WG1: S1 = Q K1^T; m1 = max(m0, rowmax S1); P1 = exp2(S1 - m1) -> smem;
-//            O_R = O_R a0 s1 + P1 V1R                        (s1 = exp2(m0 - m1))
-//       WG0: P0 s1 -> smem; O_L = O_L s1 + P1 V1L
-//       WG1: O_R += (P0 s1) V0R
-//     so one warpgroup's softmax overlaps the other's matrix work;
+//     ("seesaw"); WG0 owns O[:, 0:256], WG1 O[:, 256:512], both in registers (64 x 256 fp32 each):
+//       WG0: m0 = max(m, rowmax S0); P0 = exp2(S0 - m0); O_L = O_L a0 + P0 V0L
+//       WG1: m1 = max(m0, rowmax S1); P1 = exp2(S1 - m1); O_R = O_R a0 s1 + P1 V1R  (s1 = exp2(m0 - m1))
+//       WG0: P0 s1 -> smem                        WG1: O_R += (P0 s1) V0R
+//       WG0: O_L = O_L s1 + P1 V1L, then S0' = Q K0'^T of the next pair behind it
+//       WG1: S1' = Q K1'^T of the next pair once its P V are done
+//     so one warpgroup's softmax overlaps the other's matrix work and the next S is queued behind
+//     the current P V;
 //   * each 64 x 64 tile is reloaded with the next pair's block by the warpgroup that uses it last,
-//     as soon as it is done with it (K0's V0L tiles and RoPE tile by WG0 after O_L += P0 V0L, and
-//     so on), so the next loads are in flight while the pair finishes;
-//   * the tail of a request's last page past its length is zeroed in shared memory before use,
-//     and invalid block-table entries load as zeros (out-of-bounds TMA) and are masked;
+//     as soon as it is done with it (K0's V0L tiles by WG0 after O_L += P0 V0L, K1's V1R tiles by
+//     WG1 after O_R += P1 V1R, the rest after the cross products); block-table entries are read
+//     one pair ahead;
+//   * at D = 576, P0 / P1 live in the RoPE tile of K0 / K1 once S of that block is done, so Q, both
+//     key buffers and P fit in 216 KB;
+//   * the tail of a request's last page past its length is zeroed in shared memory by the
+//     warpgroup about to multiply that half of V (P is 0 there, 0 * NaN is not); invalid
+//     block-table entries load as zeros (out-of-bounds TMA box) and their keys are masked;
 //   * epilogue: whole pieces write out/lse, split pieces fp32 partials; the combine kernel follows
 //     with programmatic dependent launch.
 // Tile sizes: BLOCK_M 64 rows, 64 keys per block, 64 x 64 TMA tiles (128-byte swizzle), two key
-// buffers. Shared memory at D = 576: Q 72 KB + K 144 KB + P0 8 KB (P1 over Q's last tile) = 225 KB.
+// buffers; wgmma m64n64k16 (S, both operands in shared memory) and m64n256k16 (P V, P from
+// registers for the own block, from shared memory for the other warpgroup's).
+// Reached on an H200 (bench/RESULTS.md, whole API call): dense b=128 h_q=128 s_k=4096 varlen
+// 420 us = 358 TFLOPS (46% of the matmul ceiling; FlashMLA 255-265 us); h_q=16 s_k=8192 402 us =
+// 3013 GB/s (70.5% of copy; FlashMLA 284-289 us); s_q=2 causal 1200 us = 438 TFLOPS. Where the
+// time goes: a pair of blocks takes about 6.5 us against FlashMLA's 4.4 us with the same tensor
+// work, and the loop with both GEMMs removed still takes 90% of the time, so the key loads (two
+// buffers, each tile reloaded only once it is free) and the per-pair synchronisation, not the
+// matrix units, are the limit.
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <cuda_runtime.h>
@@ -57,8 +68,9 @@ enum Barrier : int {
   kBarM0 = 1,    // WG0 published m0
   kBarP1 = 2,    // WG1 published m1, s1 and P1
   kBarP0 = 3,    // WG0 published P0 * s1
-  kBarWg0 = 4,   // WG0 alone
-  kBarWg1 = 5,   // WG1 alone
+  kBarV0RIssued = 4,  // WG1 issued O_R += P0 V0R (and published P1)
+  kBarWg0 = 5,   // WG0 alone
+  kBarWg1 = 6,   // WG1 alone
 };
 
 template <int D>
@@ -105,22 +117,34 @@ __device__ __forceinline__ void issue_tiles(Smem<D>& sm, const Args& a, int buf,
   }
 }
 
-// S = Q K^T over the block in buffer `buf` (tiles waited for in order, so the first tiles'
-// products start while later tiles land).
+// Issues S (+)= Q K^T over tiles [t0, t1) of buffer `buf`, each tile once its TMA has landed, as
+// one wgmma group (the first tile of a block overwrites S).
 template <typename T, int D>
-__device__ __forceinline__ void qk(Smem<D>& sm, int buf, uint32_t parity, bool waited, float (&s)[32]) {
+__device__ __forceinline__ void qk_issue(Smem<D>& sm, int buf, uint32_t parity, int t0, int t1, float (&s)[32]) {
   wgmma_fence();
 #pragma unroll
-  for (int t = 0; t < Smem<D>::kTiles; ++t) {
-    if (!waited) mbar_wait(&sm.full[buf][t], parity);
+  for (int t = t0; t < t1; ++t) {
+    mbar_wait(&sm.full[buf][t], parity);
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk)
       wgmma_ss_k<T>(s, smem_desc(sm.q[t] + kk * 32, 0, 1024), smem_desc(sm.k[buf][t] + kk * 32, 0, 1024),
                     t > 0 || kk > 0);
   }
   wgmma_commit();
-  wgmma_wait<0>();
-  fence_regs(s);
+}
+
+// Zeroes key rows [valid, 64) of V tiles [t0, t0 + 4) of `buf` (the garbage, maybe NaN, past a
+// request's length in its last page: P is 0 there, but 0 * NaN is not), then makes the writes
+// visible to wgmma for the whole warpgroup.
+template <int D>
+__device__ __forceinline__ void zero_v_tail(Smem<D>& sm, int buf, int t0, int valid, int wtid, int bar) {
+  const int rows = kBlockN - valid;
+  for (int c = wtid; c < rows * kVTilesPerWg * 8; c += 128) {
+    const int t = t0 + c / (rows * 8), r = valid + (c / 8) % rows;
+    *reinterpret_cast<uint4*>(sm.k[buf][t] + r * 128 + (c % 8) * 16) = make_uint4(0, 0, 0, 0);
+  }
+  fence_proxy_async();
+  named_sync(bar, 128);
 }
 
 // O (this warpgroup's 256 columns) += P V, P in registers, V = tiles [v_tile, v_tile + 4) of `buf`.
@@ -234,53 +258,55 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_kernel(const __grid_
 #pragma unroll
     for (int j = 0; j < 128; ++j) o[j] = 0.f;
 
+    // Block kb0 + wg of pair j (buffer wg) is load number base[wg] + j of that buffer.
+    const uint32_t base0 = rounds[0], base1 = rounds[1];
+    auto parity = [&](int buf, int j) { return uint32_t((buf == 0 ? base0 : base1) + j) & 1u; };
+    // Pages of the pair's two blocks, and of the next pair's (read one pair ahead, so that the
+    // block-table latency is off the path from a freed buffer to its reload).
+    int pg0 = n_blocks > 0 ? page_of(block_begin) : p.num_blocks;
+    int pg1 = n_blocks > 1 ? page_of(block_begin + 1) : p.num_blocks;
+
+    // S of the first pair's blocks; later pairs' S is issued behind the P V of the pair before.
+    float s[32];
+    if (wg == 0 || n_blocks > 1) {
+      if (n_blocks > wg) {
+        qk_issue<T, D>(sm, wg, parity(wg, 0), 0, kTiles, s);
+        wgmma_wait<0>();
+        fence_regs(s);
+      }
+    }
+
     for (int j = 0; j < n_blocks; j += 2) {
+      const int jp = j / 2;
       const int kb0 = block_begin + j, kb1 = kb0 + 1;
       const bool has1 = j + 1 < n_blocks, next0 = j + 2 < n_blocks, next1 = j + 3 < n_blocks;
-      const uint32_t par0 = rounds[0] & 1, par1 = rounds[1] & 1;
-      const int kb = wg == 0 ? kb0 : kb1;  // the block whose S this warpgroup computes
-      const int buf = wg;
+      const int kb = wg == 0 ? kb0 : kb1;  // the block whose S this warpgroup holds
       const bool mine = wg == 0 || has1;
-      const uint32_t parity = wg == 0 ? par0 : par1;
+      const int valid0 = min(kBlockN, len - kb0 * kBlockN), valid1 = min(kBlockN, len - kb1 * kBlockN);
+      const int nxt0 = next0 ? page_of(kb0 + 2) : p.num_blocks, nxt1 = next1 ? page_of(kb1 + 2) : p.num_blocks;
 
-      // ---- S of this warpgroup's block ------------------------------------------------------
-      float s[32];
-      const int valid_keys = min(kBlockN, len - kb * kBlockN);
-      const bool page_ok = kb < p.max_blocks_per_seq && table[kb] >= 0 && table[kb] < p.num_blocks;
-      if (mine) {
-        bool waited = false;
-        if (valid_keys < kBlockN) {
-          // The tail of the request's last page is garbage (maybe NaN): zero it so 0 * V stays 0.
-          for (int t = 0; t < kTiles; ++t) mbar_wait(&sm.full[buf][t], parity);
-          const int rows = kBlockN - valid_keys;
-          for (int c = wtid; c < rows * kTiles * 8; c += 128) {
-            const int t = c / (rows * 8), r = valid_keys + (c / 8) % rows, ch = c % 8;
-            *reinterpret_cast<uint4*>(sm.k[buf][t] + r * 128 + ch * 16) = make_uint4(0, 0, 0, 0);
-          }
-          fence_proxy_async();
-          named_sync(wg == 0 ? kBarWg0 : kBarWg1, 128);
-          waited = true;
-        }
-        qk<T, D>(sm, buf, parity, waited, s);
-      }
+      // ---- mask and row max of this warpgroup's S ------------------------------------------
       float row_max[2] = {-INFINITY, -INFINITY};
+      {
+        const bool pg_ok = mine && (wg == 0 ? pg0 : pg1) != p.num_blocks;
 #pragma unroll
-      for (int n = 0; n < 8; ++n)
+        for (int n = 0; n < 8; ++n)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int h = e / 2, key = kb * kBlockN + n * 8 + 2 * t4 + (e % 2);
-          const bool ok = mine && page_ok && key < len && key <= row_limit[h];
-          s[n * 4 + e] = ok ? s[n * 4 + e] * scale_log2 : -INFINITY;
-          row_max[h] = fmaxf(row_max[h], s[n * 4 + e]);
+          for (int e = 0; e < 4; ++e) {
+            const int h = e / 2, key = kb * kBlockN + n * 8 + 2 * t4 + (e % 2);
+            const bool ok = pg_ok && key < len && key <= row_limit[h];
+            s[n * 4 + e] = ok ? s[n * 4 + e] * scale_log2 : -INFINITY;
+            row_max[h] = fmaxf(row_max[h], s[n * 4 + e]);
+          }
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          row_max[h] = fmaxf(row_max[h], __shfl_xor_sync(0xffffffffu, row_max[h], 1));
+          row_max[h] = fmaxf(row_max[h], __shfl_xor_sync(0xffffffffu, row_max[h], 2));
         }
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        row_max[h] = fmaxf(row_max[h], __shfl_xor_sync(0xffffffffu, row_max[h], 1));
-        row_max[h] = fmaxf(row_max[h], __shfl_xor_sync(0xffffffffu, row_max[h], 2));
       }
 
       if (wg == 0) {
-        // ---- WG0: m0, P0, O_L = O_L a0 + P0 V0L ------------------------------------------------
+        // ---- WG0: m0, P0; O_L = O_L a0 + P0 V0L ---------------------------------------------
         float m0[2], a0[2], sum[2] = {0.f, 0.f};
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
@@ -290,8 +316,7 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_kernel(const __grid_
 #pragma unroll
         for (int n = 0; n < 32; ++n) {
           const int h = (n % 4) / 2;
-          const float v = s[n];
-          s[n] = m0[h] == -INFINITY ? 0.f : exp2f(v - m0[h]);
+          s[n] = m0[h] == -INFINITY ? 0.f : exp2f(s[n] - m0[h]);
           sum[h] += s[n];
         }
         if (t4 == 0) sm.m[rr[0]] = m0[0], sm.m[rr[1]] = m0[1];
@@ -309,18 +334,17 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_kernel(const __grid_
           pa[kk][2] = pack<T>(s[8 * kk + 4], s[8 * kk + 5]);
           pa[kk][3] = pack<T>(s[8 * kk + 6], s[8 * kk + 7]);
         }
+        if (valid0 < kBlockN) zero_v_tail(sm, 0, 0, valid0, wtid, kBarWg0);
         pv_rs<T, D>(sm, 0, 0, pa, o);
-
-        // ---- wait for WG1's m1, s1, P1 -------------------------------------------------------
-        named_sync(kBarP1, kThreads);
         wgmma_wait<0>();
         fence_regs(o);
-        named_sync(kBarWg0, 128);  // all of WG0 is done reading K0's V0L tiles
-        if (wtid == 0 && next0) issue_tiles(sm, args, 0, page_of(kb0 + 2), group, 0, kVTilesPerWg, policy);
+
+        // ---- WG1 published m1 and s1: P0 s1 for its O_R += P0 V0R ----------------------------
+        named_sync(kBarP1, kThreads);
+        if (wtid == 0 && next0) issue_tiles(sm, args, 0, nxt0, group, 0, kVTilesPerWg, policy);
         float s1[2];
 #pragma unroll
         for (int h = 0; h < 2; ++h) s1[h] = sm.s1[rr[h]], m_prev[h] = sm.m[rr[h]];
-        // P0 s1 for WG1's O_R += P0 V0R (from the rounded P0 already in registers).
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk)
 #pragma unroll
@@ -334,51 +358,51 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_kernel(const __grid_
         named_arrive(kBarP0, kThreads);
 #pragma unroll
         for (int h = 0; h < 2; ++h) l_own[h] *= s1[h];
+
+        // ---- after WG1 issued O_R += P0 V0R: O_L = O_L s1 + P1 V1L, then the next S0 -----------
+        if (has1) {
+          for (int t = 0; t < kVTilesPerWg; ++t) mbar_wait(&sm.full[1][t], parity(1, jp));
+          if (valid1 < kBlockN) zero_v_tail(sm, 1, 0, valid1, wtid, kBarWg0);
+        }
+        named_sync(kBarV0RIssued, kThreads);
 #pragma unroll
         for (int n = 0; n < kONTiles; ++n) o[4 * n] *= s1[0], o[4 * n + 1] *= s1[0], o[4 * n + 2] *= s1[1],
                                              o[4 * n + 3] *= s1[1];
+        if (has1) pv_ss<T, D>(sm, sm.p(1), 1, 0, o);
+        if (next0) qk_issue<T, D>(sm, 0, parity(0, jp + 1), 0, kVTilesPerWg, s);
         if (has1) {
-          for (int t = 0; t < kVTilesPerWg; ++t) mbar_wait(&sm.full[1][t], par1);
-          pv_ss<T, D>(sm, sm.p(1), 1, 0, o);
-          wgmma_wait<0>();
+          if (next0) wgmma_wait<1>(); else wgmma_wait<0>();
           fence_regs(o);
-          named_sync(kBarWg0, 128);  // all of WG0 is done reading K1's V1L tiles (and P1)
+          // K1's V1L tiles (and, at D = 576, P1 in its RoPE tile) are free.
           if (wtid == 0 && next1) {
-            const int pg = page_of(kb1 + 2);
-            issue_tiles(sm, args, 1, pg, group, 0, kVTilesPerWg, policy);
-            if (kTiles > 2 * kVTilesPerWg) issue_tiles(sm, args, 1, pg, group, 2 * kVTilesPerWg, kTiles, policy);
+            issue_tiles(sm, args, 1, nxt1, group, 0, kVTilesPerWg, policy);
+            if (kTiles > 2 * kVTilesPerWg) issue_tiles(sm, args, 1, nxt1, group, 2 * kVTilesPerWg, kTiles, policy);
           }
         }
+        if (next0) qk_issue<T, D>(sm, 0, parity(0, jp + 1), kVTilesPerWg, kTiles, s);
+        wgmma_wait<0>();
+        fence_regs(o);
+        fence_regs(s);
       } else {
-        // ---- WG1: m1, s1, P1 -> smem, O_R = O_R a0 s1 + P1 V1R, then O_R += P0 V0R ------------
+        // ---- WG1: m1, s1, P1; O_R = O_R a0 s1 + P1 V1R, then O_R += P0 V0R --------------------
         named_sync(kBarM0, kThreads);
-        float m0[2], m1[2], f[2], s1[2], sum[2] = {0.f, 0.f};
+        float m1[2], f[2], sum[2] = {0.f, 0.f};
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          m0[h] = sm.m[rr[h]];
-          m1[h] = fmaxf(m0[h], row_max[h]);
-          s1[h] = m1[h] == -INFINITY ? 1.f : exp2f(m0[h] - m1[h]);
-          const float a0 = m0[h] == -INFINITY ? 1.f : exp2f(m_prev[h] - m0[h]);
-          f[h] = a0 * s1[h];
+          const float m0 = sm.m[rr[h]];
+          m1[h] = fmaxf(m0, row_max[h]);
+          const float s1 = m1[h] == -INFINITY ? 1.f : exp2f(m0 - m1[h]);
+          const float a0 = m0 == -INFINITY ? 1.f : exp2f(m_prev[h] - m0);
+          f[h] = a0 * s1;
+          if (t4 == 0) sm.s1[rr[h]] = s1;
         }
 #pragma unroll
         for (int n = 0; n < 32; ++n) {
           const int h = (n % 4) / 2;
-          const float v = s[n];
-          s[n] = m1[h] == -INFINITY ? 0.f : exp2f(v - m1[h]);
+          s[n] = m1[h] == -INFINITY ? 0.f : exp2f(s[n] - m1[h]);
           sum[h] += s[n];
         }
-        if (t4 == 0) {
-#pragma unroll
-          for (int h = 0; h < 2; ++h) sm.m[rr[h]] = m1[h], sm.s1[rr[h]] = s1[h];
-        }
-        uint8_t* p1 = sm.p(1);
-#pragma unroll
-        for (int n = 0; n < 8; ++n)
-#pragma unroll
-          for (int h = 0; h < 2; ++h)
-            *reinterpret_cast<uint32_t*>(p1 + swz(rr[h], n * 8 + 2 * t4)) = pack<T>(s[4 * n + 2 * h], s[4 * n + 2 * h + 1]);
-        fence_proxy_async();
+        if (t4 == 0) sm.m[rr[0]] = m1[0], sm.m[rr[1]] = m1[1];
         named_arrive(kBarP1, kThreads);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
@@ -388,32 +412,49 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_kernel(const __grid_
 #pragma unroll
         for (int n = 0; n < kONTiles; ++n) o[4 * n] *= f[0], o[4 * n + 1] *= f[0], o[4 * n + 2] *= f[1],
                                              o[4 * n + 3] *= f[1];
-        if (has1) {
-          uint32_t pa[4][4];
+        uint32_t pa[4][4];
 #pragma unroll
-          for (int kk = 0; kk < 4; ++kk) {
-            pa[kk][0] = pack<T>(s[8 * kk + 0], s[8 * kk + 1]);
-            pa[kk][1] = pack<T>(s[8 * kk + 2], s[8 * kk + 3]);
-            pa[kk][2] = pack<T>(s[8 * kk + 4], s[8 * kk + 5]);
-            pa[kk][3] = pack<T>(s[8 * kk + 6], s[8 * kk + 7]);
-          }
+        for (int kk = 0; kk < 4; ++kk) {
+          pa[kk][0] = pack<T>(s[8 * kk + 0], s[8 * kk + 1]);
+          pa[kk][1] = pack<T>(s[8 * kk + 2], s[8 * kk + 3]);
+          pa[kk][2] = pack<T>(s[8 * kk + 4], s[8 * kk + 5]);
+          pa[kk][3] = pack<T>(s[8 * kk + 6], s[8 * kk + 7]);
+        }
+        if (has1) {
+          if (valid1 < kBlockN) zero_v_tail(sm, 1, kVTilesPerWg, valid1, wtid, kBarWg1);
           pv_rs<T, D>(sm, 1, kVTilesPerWg, pa, o);
-          wgmma_wait<0>();
-          fence_regs(o);
-          named_sync(kBarWg1, 128);  // all of WG1 is done reading K1's V1R tiles
-          if (wtid == 0 && next1) issue_tiles(sm, args, 1, page_of(kb1 + 2), group, kVTilesPerWg, 2 * kVTilesPerWg, policy);
+          // P1 for WG0's O_L += P1 V1L.
+          uint8_t* p1 = sm.p(1);
+#pragma unroll
+          for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+              *reinterpret_cast<uint32_t*>(p1 + swz(rr[e % 2], kk * 16 + (e / 2) * 8 + 2 * t4)) = pa[kk][e];
+          fence_proxy_async();
         }
         named_sync(kBarP0, kThreads);
-        for (int t = kVTilesPerWg; t < 2 * kVTilesPerWg; ++t) mbar_wait(&sm.full[0][t], par0);
+        for (int t = kVTilesPerWg; t < 2 * kVTilesPerWg; ++t) mbar_wait(&sm.full[0][t], parity(0, jp));
+        if (valid0 < kBlockN) zero_v_tail(sm, 0, kVTilesPerWg, valid0, wtid, kBarWg1);
         pv_ss<T, D>(sm, sm.p(0), 0, kVTilesPerWg, o);
+        named_arrive(kBarV0RIssued, kThreads);
+        if (has1) {
+          wgmma_wait<1>();
+          if (wtid == 0 && next1) issue_tiles(sm, args, 1, nxt1, group, kVTilesPerWg, 2 * kVTilesPerWg, policy);
+        }
         wgmma_wait<0>();
         fence_regs(o);
-        named_sync(kBarWg1, 128);  // all of WG1 is done reading K0's V0R tiles (and P0)
-        if (wtid == 0 && next0) issue_tiles(sm, args, 0, page_of(kb0 + 2), group, kVTilesPerWg, kTiles, policy);
+        // K0's V0R tiles (and, at D = 576, P0 in its RoPE tile) are free.
+        if (wtid == 0 && next0) issue_tiles(sm, args, 0, nxt0, group, kVTilesPerWg, kTiles, policy);
+        if (next1) {
+          qk_issue<T, D>(sm, 1, parity(1, jp + 1), 0, kTiles, s);
+          wgmma_wait<0>();
+          fence_regs(s);
+        }
       }
-      ++rounds[0];
-      if (has1) ++rounds[1];
+      pg0 = nxt0, pg1 = nxt1;
     }
+    rounds[0] += uint32_t((n_blocks + 1) / 2);
+    rounds[1] += uint32_t(n_blocks / 2);
 
     // ---- epilogue ----------------------------------------------------------------------------
 #pragma unroll
