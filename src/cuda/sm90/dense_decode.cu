@@ -25,14 +25,15 @@
 //   * the tail of a request's last page past its length is zeroed in shared memory by the
 //     warpgroup about to multiply that half of V (P is 0 there, 0 * NaN is not); invalid
 //     block-table entries load as zeros (out-of-bounds TMA box) and their keys are masked;
-//   * epilogue: whole pieces write out/lse, split pieces fp32 partials; the combine kernel follows
-//     with programmatic dependent launch.
+//   * the kernel is a programmatic dependent of the planner (its setup overlaps the planner's
+//     tail) and the combine kernel one of it;
+//   * epilogue: whole pieces write out/lse, split pieces fp32 partials.
 // Tile sizes: BLOCK_M 64 rows, 64 keys per block, 64 x 64 TMA tiles (128-byte swizzle), two key
 // buffers; wgmma m64n64k16 (S, both operands in shared memory) and m64n256k16 (P V, P from
 // registers for the own block, from shared memory for the other warpgroup's).
 // Reached on an H200 (bench/RESULTS.md, whole API call): dense b=128 h_q=128 s_k=4096 varlen
-// 420 us = 358 TFLOPS (46% of the matmul ceiling; FlashMLA 255-265 us); h_q=16 s_k=8192 402 us =
-// 3013 GB/s (70.5% of copy; FlashMLA 284-289 us); s_q=2 causal 1200 us = 438 TFLOPS. Where the
+// 421 us = 358 TFLOPS (46% of the matmul ceiling; FlashMLA 255-265 us); h_q=16 s_k=8192 390.5 us
+// = 3105 GB/s (72.7% of copy; FlashMLA 284-289 us); s_q=2 causal 1166 us = 451 TFLOPS. Where the
 // time goes: a pair of blocks takes about 6.5 us against FlashMLA's 4.4 us with the same tensor
 // work, and the loop with both GEMMs removed still takes 90% of the time, so the key loads (two
 // buffers, each tile reloaded only once it is free) and the per-pair synchronisation, not the
@@ -195,6 +196,9 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_kernel(const __grid_
     fence_barrier_init();
   }
   __syncthreads();
+  // Launched as a programmatic dependent of the planner: everything above overlapped its tail;
+  // the plan (and anything else the stream wrote before) is read only after this.
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
 
   uint32_t rounds[2] = {0, 0};  // loads issued into each buffer so far (mbarrier phases)
   const int num_pieces = decode_io::num_pieces(p.split, p.b, part);
@@ -276,13 +280,19 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_kernel(const __grid_
       }
     }
 
-    for (int j = 0; j < n_blocks; j += 2) {
+    // One pair of blocks. kSteady: both blocks and the next pair's two exist and neither block is
+    // the request's last, so none of the tail branches is compiled in (they cost measurable time
+    // in the wgmma issue sequence).
+    auto run_pair = [&](const int j, auto steady) {
+      constexpr bool kSteady = decltype(steady)::value;
       const int jp = j / 2;
       const int kb0 = block_begin + j, kb1 = kb0 + 1;
-      const bool has1 = j + 1 < n_blocks, next0 = j + 2 < n_blocks, next1 = j + 3 < n_blocks;
+      const bool has1 = kSteady || j + 1 < n_blocks, next0 = kSteady || j + 2 < n_blocks;
+      const bool next1 = kSteady || j + 3 < n_blocks;
       const int kb = wg == 0 ? kb0 : kb1;  // the block whose S this warpgroup holds
       const bool mine = wg == 0 || has1;
-      const int valid0 = min(kBlockN, len - kb0 * kBlockN), valid1 = min(kBlockN, len - kb1 * kBlockN);
+      const int valid0 = kSteady ? kBlockN : min(kBlockN, len - kb0 * kBlockN);
+      const int valid1 = kSteady ? kBlockN : min(kBlockN, len - kb1 * kBlockN);
       const int nxt0 = next0 ? page_of(kb0 + 2) : p.num_blocks, nxt1 = next1 ? page_of(kb1 + 2) : p.num_blocks;
 
       // ---- mask and row max of this warpgroup's S ------------------------------------------
@@ -452,7 +462,10 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_kernel(const __grid_
         }
       }
       pg0 = nxt0, pg1 = nxt1;
-    }
+    };
+    int j = 0;
+    for (; j + 3 < n_blocks; j += 2) run_pair(j, std::true_type{});
+    for (; j < n_blocks; j += 2) run_pair(j, std::false_type{});
     rounds[0] += uint32_t((n_blocks + 1) / 2);
     rounds[1] += uint32_t(n_blocks / 2);
 
@@ -524,8 +537,17 @@ cudaError_t launch(const DenseDecodeParams& p, cudaStream_t stream) {
   }
   const int rows = p.s_q * (p.h_q / p.h_k);
   const dim3 grid(unsigned(ceil_div(rows, kBlockM)), unsigned(p.h_k), unsigned(p.split.num_sm_parts));
-  dense_decode_kernel<T, D><<<grid, kThreads, smem, stream>>>(args);
-  return cudaGetLastError();
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = dim3(kThreads);
+  config.dynamicSmemBytes = size_t(smem);
+  config.stream = stream;
+  config.attrs = attr;
+  config.numAttrs = 1;
+  return cudaLaunchKernelEx(&config, dense_decode_kernel<T, D>, args);
 }
 
 }  // namespace sm90
