@@ -6,6 +6,7 @@ FLOPs = 2 * h_q * s_q * sum(attended keys) * (d_qk + d_v); bytes = q + attended 
 2*576 B dense, 656 B V3.2, 584 B MODEL1) + out. Fractions are of the card's measured ceilings.
 
 Usage: python3 bench/bench_decode.py [--cases NAME,...] [--no-torch] [--impls default,portable]
+                                     [--flashmla DIR]
 """
 
 import argparse
@@ -13,6 +14,7 @@ import math
 import os
 import statistics
 import sys
+import zlib
 
 import torch
 
@@ -69,7 +71,25 @@ def torch_dense(q, kc, bt, seqlens, causal):
     return out, lse
 
 
-def dense_case(b, s_q, h_q, s_k, causal, fixed=False):
+def pad_heads(t, heads):
+    """t [.., h, ...] (heads on dim 2, or dim 0 for a sink) zero-padded to `heads`: FlashMLA's sparse
+    decode on sm90 runs 64 or 128 heads, so smaller head counts are padded by its callers."""
+    dim = 2 if t.dim() == 4 else 0
+    if t.shape[dim] == heads:
+        return t
+    shape = list(t.shape)
+    shape[dim] = heads
+    out = torch.zeros(shape, dtype=t.dtype, device=t.device)
+    out.narrow(dim, 0, t.shape[dim]).copy_(t)
+    return out
+
+
+def sparse_heads(api, h_q):
+    """Heads the call runs with: ours natively; FlashMLA padded to a multiple of 64."""
+    return h_q if api is flash_mla else -(-h_q // 64) * 64
+
+
+def dense_case(b, s_q, h_q, s_k, causal, fixed=False, api=flash_mla):
     lens = [s_k] * b if fixed else varlen(b, s_k, s_q)
     paged = R.make_dense_paged(lens, 64, 1, 576, torch.bfloat16, poison="random", garbage_cols=0)
     q = R.rand((b, s_q, h_q, 576)).cuda()
@@ -77,8 +97,8 @@ def dense_case(b, s_q, h_q, s_k, causal, fixed=False):
     bt = bt.clamp(0, kc.shape[0] - 1)
 
     def ours():
-        sched, _ = flash_mla.get_mla_metadata()
-        return flash_mla.flash_mla_with_kvcache(q, kc, bt, sl, 512, sched, causal=causal)
+        sched, _ = api.get_mla_metadata()
+        return api.flash_mla_with_kvcache(q, kc, bt, sl, 512, sched, causal=causal)
 
     attended = sum(lens) * s_q  # each row of each query token (causal trims a few)
     flops = 2 * h_q * attended * (576 + 512)
@@ -117,16 +137,17 @@ def dequant_tokens(kv8, fmt):
     return torch.cat([(nope * scales).bfloat16(), rec[:, 448:].contiguous().view(torch.bfloat16)], 1)
 
 
-def sparse_case(fmt, b, s_q, h_q, topk, s_k=4096):
+def sparse_case(fmt, b, s_q, h_q, topk, s_k=4096, api=flash_mla):
     d = 576 if fmt == "v32" else 512
     main = R.make_sparse_cache(fmt, b, s_q, max(s_k, topk), topk, 64, invalid_frac=0.0, poison="random",
                                scale_spread=False)
     q = R.rand((b, s_q, h_q, d)).cuda()
     kv8, idx = main.kv8.cuda(), main.indices.cuda()
+    q_run = pad_heads(q, sparse_heads(api, h_q))
 
     def ours():
-        sched, _ = flash_mla.get_mla_metadata()
-        return flash_mla.flash_mla_with_kvcache(q, kv8, None, None, 512, sched, is_fp8_kvcache=True, indices=idx)
+        sched, _ = api.get_mla_metadata()
+        return api.flash_mla_with_kvcache(q_run, kv8, None, None, 512, sched, is_fp8_kvcache=True, indices=idx)
 
     attended = b * s_q * topk
     flops = 2 * h_q * attended * (d + 512)
@@ -135,7 +156,7 @@ def sparse_case(fmt, b, s_q, h_q, topk, s_k=4096):
     return ours, (lambda: torch_sparse(q, kv8, idx, fmt)), flops, bytes_
 
 
-def model1_mixed_case(b=128, h_q=128):
+def model1_mixed_case(b=128, h_q=128, api=flash_mla):
     """MODEL1: topk 128 over a page-256 cache with topk_length, plus extra topk 1024 over a page-64
     cache with extra_topk_length, attention sink (DeepSeek-V4 decode)."""
     main = R.make_sparse_cache("model1", b, 1, 4096, 128, 256, invalid_frac=0.0, with_topk_length=True,
@@ -146,12 +167,15 @@ def model1_mixed_case(b=128, h_q=128):
     sink = torch.randn(h_q).cuda()
     args = [t.cuda() for t in (main.kv8, main.indices, main.topk_length, extra.kv8, extra.indices, extra.topk_length)]
 
+    heads = sparse_heads(api, h_q)
+    q_run, sink_run = pad_heads(q, heads), pad_heads(sink, heads)
+
     def ours():
-        sched, _ = flash_mla.get_mla_metadata()
-        return flash_mla.flash_mla_with_kvcache(q, args[0], None, None, 512, sched, is_fp8_kvcache=True,
-                                                indices=args[1], topk_length=args[2], attn_sink=sink,
-                                                extra_k_cache=args[3], extra_indices_in_kvcache=args[4],
-                                                extra_topk_length=args[5])
+        sched, _ = api.get_mla_metadata()
+        return api.flash_mla_with_kvcache(q_run, args[0], None, None, 512, sched, is_fp8_kvcache=True,
+                                          indices=args[1], topk_length=args[2], attn_sink=sink_run,
+                                          extra_k_cache=args[3], extra_indices_in_kvcache=args[4],
+                                          extra_topk_length=args[5])
 
     attended = int(main.topk_length.sum() + extra.topk_length.sum())
     flops = 2 * h_q * attended * (512 + 512)
@@ -159,12 +183,12 @@ def model1_mixed_case(b=128, h_q=128):
     return ours, None, flops, bytes_
 
 
-def prefill_case(s_q=4096, s_kv=32768, h_q=128, topk=2048):
+def prefill_case(s_q=4096, s_kv=32768, h_q=128, topk=2048, api=flash_mla):
     case = R.make_prefill_case(s_q, s_kv, h_q, 576, topk, invalid_frac=0.0, poison=False)
     q, kv, idx = case.q.cuda(), case.kv.cuda(), case.indices.cuda()
 
     def ours():
-        return flash_mla.flash_mla_sparse_fwd(q, kv, idx, 576 ** -0.5)
+        return api.flash_mla_sparse_fwd(q, kv, idx, 576 ** -0.5)
 
     flops = 2 * h_q * s_q * topk * (576 + 512)
     bytes_ = s_q * topk * 576 * 2 + s_q * h_q * (576 + 512) * 2
@@ -172,18 +196,28 @@ def prefill_case(s_q=4096, s_kv=32768, h_q=128, topk=2048):
 
 
 CASES = {
-    "dense_b128_h128_sk4096_varlen": lambda: dense_case(128, 1, 128, 4096, False),
-    "dense_b128_h16_sk8192": lambda: dense_case(128, 1, 16, 8192, False, fixed=True),
-    "dense_b128_sq2_h128_sk8192_causal_varlen": lambda: dense_case(128, 2, 128, 8192, True),
-    "dense_b2_h128_sk65536": lambda: dense_case(2, 1, 128, 65536, False, fixed=True),
-    "dense_b8_h128_sk1024": lambda: dense_case(8, 1, 128, 1024, False),
-    "sparse_v32_b128_h128_topk2048": lambda: sparse_case("v32", 128, 1, 128, 2048),
-    "sparse_v32_b128_h16_topk2048": lambda: sparse_case("v32", 128, 1, 16, 2048),
-    "sparse_v32_b64_h32_topk2048": lambda: sparse_case("v32", 64, 1, 32, 2048),
-    "sparse_model1_b128_h128_mixed_sink": model1_mixed_case,
-    "sparse_model1_b128_h16_mixed_sink": lambda: model1_mixed_case(h_q=16),
-    "prefill_v32_sq4096_skv32768_h128_topk2048": prefill_case,
+    "dense_b128_h128_sk4096_varlen": lambda **kw: dense_case(128, 1, 128, 4096, False, **kw),
+    "dense_b128_h16_sk8192": lambda **kw: dense_case(128, 1, 16, 8192, False, fixed=True, **kw),
+    "dense_b128_sq2_h128_sk8192_causal_varlen": lambda **kw: dense_case(128, 2, 128, 8192, True, **kw),
+    "dense_b2_h128_sk65536": lambda **kw: dense_case(2, 1, 128, 65536, False, fixed=True, **kw),
+    "dense_b8_h128_sk1024": lambda **kw: dense_case(8, 1, 128, 1024, False, **kw),
+    "sparse_v32_b128_h128_topk2048": lambda **kw: sparse_case("v32", 128, 1, 128, 2048, **kw),
+    "sparse_v32_b128_h16_topk2048": lambda **kw: sparse_case("v32", 128, 1, 16, 2048, **kw),
+    "sparse_v32_b64_h32_topk2048": lambda **kw: sparse_case("v32", 64, 1, 32, 2048, **kw),
+    "sparse_v32_b128_sq2_h128_topk2048": lambda **kw: sparse_case("v32", 128, 2, 128, 2048, **kw),
+    "sparse_v32_b32_sq2_h128_topk2048": lambda **kw: sparse_case("v32", 32, 2, 128, 2048, **kw),
+    "sparse_model1_b128_h128_mixed_sink": lambda **kw: model1_mixed_case(**kw),
+    "sparse_model1_b128_h16_mixed_sink": lambda **kw: model1_mixed_case(h_q=16, **kw),
+    "prefill_v32_sq4096_skv32768_h128_topk2048": lambda **kw: prefill_case(**kw),
 }
+
+
+def load_flashmla(path):
+    """FlashMLA's Python package built from source outside this repository (`path` holds the
+    `flash_mla` package with its compiled extension); its API is the one ours mirrors."""
+    sys.path.insert(0, path)
+    import flash_mla as fm  # noqa: E402
+    return fm
 
 
 def main():
@@ -193,14 +227,32 @@ def main():
     parser.add_argument("--impls", default="default",
                         help="comma-separated MLA_KERNELS_IMPL values to time side by side ('default': the "
                              "dispatch's choice), e.g. default,portable")
+    parser.add_argument("--flashmla", metavar="DIR",
+                        help="also time FlashMLA (the `flash_mla` package in DIR) on the same inputs; "
+                             "sparse calls with h_q not a multiple of 64 are padded to it, as FlashMLA needs")
     args = parser.parse_args()
     impls = args.impls.split(",")
-    torch.manual_seed(0)
+    fm = load_flashmla(args.flashmla) if args.flashmla else None
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}; whole API call, CUDA graph of 10 calls, "
           f"median of 20 replays; ceilings {COPY_GBPS:.0f} GB/s copy, {MATMUL_TFLOPS:.0f} TFLOPS bf16")
-    print(f"{'case':<44} {'us':>9} {'TFLOPS':>8} {'GB/s':>8} {'%mm':>6} {'%copy':>6} {'torch us':>10} {'speedup':>8}")
+    header = f"{'case':<44} {'us':>9} {'TFLOPS':>8} {'GB/s':>8} {'%mm':>6} {'%copy':>6} {'torch us':>10} {'speedup':>8}"
+    if fm:
+        header += f" {'FlashMLA us':>12} {'vs FlashMLA':>12}"
+    print(header)
     for name in args.cases.split(","):
+        seed = zlib.crc32(name.encode())
+        torch.manual_seed(seed)  # both libraries get the same inputs
         ours, plain, flops, bytes_ = CASES[name]()
+        t_fm = float("nan")
+        if fm:
+            torch.manual_seed(seed)
+            try:
+                theirs, _, _, _ = CASES[name](api=fm)
+                t_fm = time_call(theirs)
+                del theirs
+            except (AttributeError, RuntimeError, AssertionError) as e:  # a call FlashMLA does not offer
+                print(f"# FlashMLA {name}: {type(e).__name__}: {str(e).splitlines()[0][:100]}")
+            torch.cuda.empty_cache()
         for k, impl in enumerate(impls):
             if impl == "default":
                 os.environ.pop("MLA_KERNELS_IMPL", None)
@@ -215,11 +267,15 @@ def main():
                     torch.cuda.empty_cache()
             tflops, gbps = flops / t / 1e6, bytes_ / t / 1e3
             label = name if len(impls) == 1 else f"{name} [{impl}]"
-            print(f"{label:<44} {t:9.1f} {tflops:8.1f} {gbps:8.0f} {100 * tflops / MATMUL_TFLOPS:5.1f}% "
-                  f"{100 * gbps / COPY_GBPS:5.1f}% {t_torch:10.1f} {t_torch / t:7.2f}x", flush=True)
+            line = (f"{label:<44} {t:9.1f} {tflops:8.1f} {gbps:8.0f} {100 * tflops / MATMUL_TFLOPS:5.1f}% "
+                    f"{100 * gbps / COPY_GBPS:5.1f}% {t_torch:10.1f} {t_torch / t:7.2f}x")
+            if fm:
+                line += f" {t_fm:12.1f} {t_fm / t:11.2f}x"
+            print(line, flush=True)
         os.environ.pop("MLA_KERNELS_IMPL", None)
         del ours, plain
         torch.cuda.empty_cache()
+
 
 if __name__ == "__main__":
     main()
