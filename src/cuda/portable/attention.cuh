@@ -28,10 +28,10 @@
 
 #include <cuda_runtime.h>
 
-#include <atomic>
 #include <cstdint>
 
 #include "../common/ptx.cuh"
+#include "../common/smem_limit.h"
 #include "mla/params.h"
 #include "mla/plan.h"
 
@@ -266,32 +266,13 @@ constexpr size_t shared_bytes() {
   return sizeof(SharedStorage<Problem::kHeadDim, typename Problem::MmaT>);
 }
 
-// Largest dynamic shared memory a block may opt into on the current device.
-inline int max_shared_per_block() {
-  int dev = 0, bytes = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess) return 0;
-  cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
-  return bytes;
-}
-
 template <class Problem>
 cudaError_t launch(const typename Problem::Params& params, dim3 grid, cudaStream_t stream) {
   const size_t smem = shared_bytes<Problem>();
-  // Raise the kernel's shared-memory limit once per device (64 devices at most), not per call.
-  static std::atomic<uint64_t> configured{0};
-  int dev = 0;
-  cudaError_t err = cudaGetDevice(&dev);
+  // sm86 / sm89 (Ampere consumer cards, Ada) allow 99 KB per block: not enough for three stages.
+  const cudaError_t err = raise_smem_limit_once<attention_kernel<Problem>>(
+      int(smem), "the portable kernel", " (sm_80 and sm_90 have enough; sm_86 and sm_89 are not supported yet)");
   if (err != cudaSuccess) return err;
-  const uint64_t bit = uint64_t(1) << (dev & 63);
-  if (!(configured.load(std::memory_order_acquire) & bit)) {
-    // sm86 / sm89 (Ampere consumer cards, Ada) allow 99 KB per block: not enough for three stages.
-    MLA_CHECK(int(smem) <= max_shared_per_block(), "the portable kernel needs ", int(smem / 1024),
-              " KB of shared memory per block and this GPU allows ", max_shared_per_block() / 1024,
-              " KB (sm_80 and sm_90 have enough; sm_86 and sm_89 are not supported yet)");
-    err = cudaFuncSetAttribute(attention_kernel<Problem>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
-    if (err != cudaSuccess) return err;
-    configured.fetch_or(bit, std::memory_order_release);
-  }
   attention_kernel<Problem><<<grid, kThreads, smem, stream>>>(params);
   return cudaGetLastError();
 }

@@ -42,12 +42,12 @@
 #include <cudaTypedefs.h>
 #include <cuda_runtime.h>
 
-#include <atomic>
 #include <climits>
 #include <cstdint>
 #include <type_traits>
 
 #include "../common/decode_io.cuh"
+#include "../common/smem_limit.h"
 #include "../implementations.h"
 #include "ptx_sm90.cuh"
 
@@ -105,6 +105,33 @@ template <typename T>
 __device__ __forceinline__ float2 unpack(uint32_t v) {
   if constexpr (std::is_same_v<T, __half>) return __half22float2(*reinterpret_cast<const __half2*>(&v));
   else return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v));
+}
+
+// P (the 64 x 64 fp32 S accumulators after exp2) as the A fragments of four k16 steps of P V: the
+// accumulator layout of n8 tiles 2kk and 2kk + 1 is the A layout of k-step kk.
+template <typename T>
+__device__ __forceinline__ void pack_p(const float (&s)[32], uint32_t (&pa)[4][4]) {
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) pa[kk][e] = pack<T>(s[8 * kk + 2 * e], s[8 * kk + 2 * e + 1]);
+}
+
+// P = exp2(S - m) for this thread's two rows (0 where the row max is still -inf), adding each
+// row's values to sum.
+__device__ __forceinline__ void exponentiate(float (&s)[32], const float (&m)[2], float (&sum)[2]) {
+#pragma unroll
+  for (int n = 0; n < 32; ++n) {
+    const int h = (n % 4) / 2;
+    s[n] = m[h] == -INFINITY ? 0.f : exp2f(s[n] - m[h]);
+    sum[h] += s[n];
+  }
+}
+
+// Rescales this thread's two rows of a warpgroup's 64 x 256 output: row g by f0, row g + 8 by f1.
+__device__ __forceinline__ void scale_rows(float (&o)[128], float f0, float f1) {
+#pragma unroll
+  for (int n = 0; n < kONTiles; ++n) o[4 * n] *= f0, o[4 * n + 1] *= f0, o[4 * n + 2] *= f1, o[4 * n + 3] *= f1;
 }
 
 #if defined(MLA_SM90A_DEVICE)
@@ -323,27 +350,14 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_kernel(const __grid_
           m0[h] = fmaxf(m_prev[h], row_max[h]);
           a0[h] = m0[h] == -INFINITY ? 1.f : exp2f(m_prev[h] - m0[h]);
         }
-#pragma unroll
-        for (int n = 0; n < 32; ++n) {
-          const int h = (n % 4) / 2;
-          s[n] = m0[h] == -INFINITY ? 0.f : exp2f(s[n] - m0[h]);
-          sum[h] += s[n];
-        }
+        exponentiate(s, m0, sum);
         if (t4 == 0) sm.m[rr[0]] = m0[0], sm.m[rr[1]] = m0[1];
         named_arrive(kBarM0, kThreads);
 #pragma unroll
         for (int h = 0; h < 2; ++h) l_own[h] = l_own[h] * a0[h] + sum[h];
-#pragma unroll
-        for (int n = 0; n < kONTiles; ++n) o[4 * n] *= a0[0], o[4 * n + 1] *= a0[0], o[4 * n + 2] *= a0[1],
-                                             o[4 * n + 3] *= a0[1];
+        scale_rows(o, a0[0], a0[1]);
         uint32_t pa[4][4];
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk) {
-          pa[kk][0] = pack<T>(s[8 * kk + 0], s[8 * kk + 1]);
-          pa[kk][1] = pack<T>(s[8 * kk + 2], s[8 * kk + 3]);
-          pa[kk][2] = pack<T>(s[8 * kk + 4], s[8 * kk + 5]);
-          pa[kk][3] = pack<T>(s[8 * kk + 6], s[8 * kk + 7]);
-        }
+        pack_p<T>(s, pa);
         if (valid0 < kBlockN) zero_v_tail(sm, 0, 0, valid0, wtid, kBarWg0);
         pv_rs<T, D>(sm, 0, 0, pa, o);
         wgmma_wait<0>();
@@ -375,9 +389,7 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_kernel(const __grid_
           if (valid1 < kBlockN) zero_v_tail(sm, 1, 0, valid1, wtid, kBarWg0);
         }
         named_sync(kBarV0RIssued, kThreads);
-#pragma unroll
-        for (int n = 0; n < kONTiles; ++n) o[4 * n] *= s1[0], o[4 * n + 1] *= s1[0], o[4 * n + 2] *= s1[1],
-                                             o[4 * n + 3] *= s1[1];
+        scale_rows(o, s1[0], s1[1]);
         if (has1) pv_ss<T, D>(sm, sm.p(1), 1, 0, o);
         if (next0) qk_issue<T, D>(sm, 0, parity(0, jp + 1), 0, kVTilesPerWg, s);
         if (has1) {
@@ -406,12 +418,7 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_kernel(const __grid_
           f[h] = a0 * s1;
           if (t4 == 0) sm.s1[rr[h]] = s1;
         }
-#pragma unroll
-        for (int n = 0; n < 32; ++n) {
-          const int h = (n % 4) / 2;
-          s[n] = m1[h] == -INFINITY ? 0.f : exp2f(s[n] - m1[h]);
-          sum[h] += s[n];
-        }
+        exponentiate(s, m1, sum);
         if (t4 == 0) sm.m[rr[0]] = m1[0], sm.m[rr[1]] = m1[1];
         named_arrive(kBarP1, kThreads);
 #pragma unroll
@@ -419,17 +426,9 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_kernel(const __grid_
           m_prev[h] = m1[h];
           l_own[h] = l_own[h] * f[h] + sum[h];
         }
-#pragma unroll
-        for (int n = 0; n < kONTiles; ++n) o[4 * n] *= f[0], o[4 * n + 1] *= f[0], o[4 * n + 2] *= f[1],
-                                             o[4 * n + 3] *= f[1];
+        scale_rows(o, f[0], f[1]);
         uint32_t pa[4][4];
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk) {
-          pa[kk][0] = pack<T>(s[8 * kk + 0], s[8 * kk + 1]);
-          pa[kk][1] = pack<T>(s[8 * kk + 2], s[8 * kk + 3]);
-          pa[kk][2] = pack<T>(s[8 * kk + 4], s[8 * kk + 5]);
-          pa[kk][3] = pack<T>(s[8 * kk + 6], s[8 * kk + 7]);
-        }
+        pack_p<T>(s, pa);
         if (has1) {
           if (valid1 < kBlockN) zero_v_tail(sm, 1, kVTilesPerWg, valid1, wtid, kBarWg1);
           pv_rs<T, D>(sm, 1, kVTilesPerWg, pa, o);
@@ -525,16 +524,9 @@ cudaError_t launch(const DenseDecodeParams& p, cudaStream_t stream) {
   if (res != CUDA_SUCCESS) return cudaErrorInvalidValue;
 
   constexpr int smem = int(sizeof(Smem<D>)) + 1024;  // + alignment of the tiles to 1024 bytes
-  static std::atomic<uint64_t> configured{0};
-  int dev = 0;
-  cudaError_t err = cudaGetDevice(&dev);
+  static_assert(smem <= 227 * 1024, "Q, both key buffers and P fit the 227 KB an sm90 block may use");
+  const cudaError_t err = raise_smem_limit_once<dense_decode_kernel<T, D>>(smem, "the sm90 dense decode kernel");
   if (err != cudaSuccess) return err;
-  const uint64_t bit = uint64_t(1) << (dev & 63);
-  if (!(configured.load(std::memory_order_acquire) & bit)) {
-    err = cudaFuncSetAttribute(dense_decode_kernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    if (err != cudaSuccess) return err;
-    configured.fetch_or(bit, std::memory_order_release);
-  }
   const int rows = p.s_q * (p.h_q / p.h_k);
   const dim3 grid(unsigned(ceil_div(rows, kBlockM)), unsigned(p.h_k), unsigned(p.split.num_sm_parts));
   cudaLaunchAttribute attr[1];
