@@ -5,7 +5,8 @@
 # size 1, unaligned MODEL1 pages), then the benchmark, whose table it prints last.
 #
 #   bash tools/gpu.sh                      # everything
-#   STEPS=build,pytest bash tools/gpu.sh   # a subset of: build, ctest, pytest, sanitize, bench
+#   STEPS=build,pytest bash tools/gpu.sh   # a subset of: build, ctest, pytest, sanitize, bench, profile
+#   STEPS=profile PROFILE_CASE=dense_b128_h16_sk8192 PROFILE_KERNEL=dense_decode_kernel bash tools/gpu.sh
 #   PYTEST_ARGS="-m cuda -k 'sparse or graph'" BENCH_ARGS=--no-torch bash tools/gpu.sh
 # Logs go to $OUT when set (the device tool's output folder), else build/gpu-logs. The C++ test
 # binaries link CUDA and GoogleTest statically, so they can be built on a machine without a GPU
@@ -51,5 +52,17 @@ fi
 if has bench; then
   echo "== benchmark"
   python3 bench/bench_decode.py ${BENCH_ARGS:-} 2>&1 | tee "$LOG/bench.log" || status=1
+fi
+if has profile; then
+  # Nsight Compute on one launch of one kernel: the summary sections, then the per-source-line
+  # stall samples (the kernels are built with -lineinfo), both as text in $LOG.
+  case_name=${PROFILE_CASE:-dense_b128_h16_sk8192}
+  kernel=${PROFILE_KERNEL:-dense_decode_kernel}
+  echo "== ncu: $kernel in $case_name"
+  ncu --clock-control none -k "regex:$kernel" -c 1 --set full --import-source yes -o "$LOG/profile" -f \
+    python3 bench/profile_case.py "$case_name" > "$LOG/profile-run.log" 2>&1 || status=1
+  ncu -i "$LOG/profile.ncu-rep" --page details > "$LOG/profile-details.txt" 2>&1 || status=1
+  ncu -i "$LOG/profile.ncu-rep" --page source --csv --print-source sass > "$LOG/profile-source.csv" 2>&1 || status=1
+  grep -E "Duration|Throughput|Warp Cycles|Stall" "$LOG/profile-details.txt" | head -20
 fi
 exit $status
