@@ -42,6 +42,10 @@ constexpr int kHeadDimV32 = 576;     // d_qk of DeepSeek V3 / V3.2 (512 NoPE + 6
 constexpr int kHeadDimModel1 = 512;  // d_qk of DeepSeek V4 "MODEL1" (448 NoPE + 64 RoPE)
 constexpr int kMaxHeadsQ = 128;      // largest h_q any op accepts
 
+// Softmax runs in the log2 domain: scores are scaled by log2(e), lse is reported as ln(2) * log2(l) + ...
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
 // Split-KV planning: a plan block is this many KV tokens (dense) or top-k slots (sparse).
 constexpr int kPlanBlockSize = 64;
 // Cost of starting a (request, part) piece, in blocks: covers loading q, the epilogue and the combine.

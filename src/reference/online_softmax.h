@@ -7,10 +7,10 @@
 #include <limits>
 #include <vector>
 
+#include "mla/types.h"
+
 namespace mla::reference {
 
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
 // Dot product of two float vectors; eight partial sums so the compiler vectorises it.

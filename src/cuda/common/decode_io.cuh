@@ -14,8 +14,6 @@
 
 namespace mla::cuda::decode_io {
 
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
 
 __device__ __forceinline__ PlanRow load_row(const int32_t* tsm, int part) {
   return reinterpret_cast<const PlanRow*>(tsm)[part];

@@ -58,8 +58,6 @@ static_assert(kKeyHalves * 16 == kStageKeys, "the key halves of the S warps cove
 static_assert(kSoftmaxKeys == 2, "the softmax writes P as one pair of keys per thread");
 static_assert(kDv % (kWarps * 16) == 0, "each warp owns whole 16-column pairs of O");
 
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
 
 template <int D, typename T>
 struct SharedStorage {

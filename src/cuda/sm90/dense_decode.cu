@@ -98,10 +98,6 @@ struct Args {
 __device__ __forceinline__ int swz(int r, int c) { return r * 128 + ((((c >> 3) ^ (r & 7))) << 4) + (c & 7) * 2; }
 
 template <typename T>
-__device__ __forceinline__ uint32_t pack(float lo, float hi) {
-  return ptx::pack2<T>(lo, hi);
-}
-template <typename T>
 __device__ __forceinline__ float2 unpack(uint32_t v) {
   if constexpr (std::is_same_v<T, __half>) return __half22float2(*reinterpret_cast<const __half2*>(&v));
   else return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v));
@@ -114,7 +110,7 @@ __device__ __forceinline__ void pack_p(const float (&s)[32], uint32_t (&pa)[4][4
 #pragma unroll
   for (int kk = 0; kk < 4; ++kk)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) pa[kk][e] = pack<T>(s[8 * kk + 2 * e], s[8 * kk + 2 * e + 1]);
+    for (int e = 0; e < 4; ++e) pa[kk][e] = ptx::pack2<T>(s[8 * kk + 2 * e], s[8 * kk + 2 * e + 1]);
 }
 
 // P = exp2(S - m) for this thread's two rows (0 where the row max is still -inf), adding each
@@ -216,7 +212,7 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_kernel(const __grid_
   const int group = blockIdx.y, part = blockIdx.z;
   const int hpg = p.h_q / p.h_k, num_rows = p.s_q * hpg, row_base = blockIdx.x * kBlockM;
   const DecodePlanParams plan = dense_plan_params(p);
-  const float scale_log2 = p.softmax_scale * decode_io::kLog2e;
+  const float scale_log2 = p.softmax_scale * kLog2e;
   const uint64_t policy = evict_first_policy();
 
   if (tid == 0) {
@@ -378,7 +374,7 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_kernel(const __grid_
             const int h = e % 2;
             const float2 v = unpack<T>(pa[kk][e]);
             *reinterpret_cast<uint32_t*>(sm.p(0) + swz(rr[h], kk * 16 + (e / 2) * 8 + 2 * t4)) =
-                pack<T>(v.x * s1[h], v.y * s1[h]);
+                ptx::pack2<T>(v.x * s1[h], v.y * s1[h]);
           }
         fence_proxy_async();
         named_arrive(kBarP0, kThreads);
