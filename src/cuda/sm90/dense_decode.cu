@@ -49,6 +49,7 @@
 #include "../common/decode_io.cuh"
 #include "../common/smem_limit.h"
 #include "../implementations.h"
+#include "kv_tensor_map.h"
 #include "ptx_sm90.cuh"
 
 namespace mla::cuda {
@@ -493,35 +494,12 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_kernel(const __grid_
 
 // ---- host side -------------------------------------------------------------------------------
 
-PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {
-  static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
-    void* ptr = nullptr;
-    cudaDriverEntryPointQueryResult status{};
-    const cudaError_t err =
-        cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault, &status);
-    return err == cudaSuccess && status == cudaDriverEntryPointSuccess
-               ? reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(ptr)
-               : nullptr;
-  }();
-  return fn;
-}
-
 template <typename T, int D>
 cudaError_t launch(const DenseDecodeParams& p, cudaStream_t stream) {
   Args args;
   args.p = p;
-  const auto encode = encode_fn();
-  if (!encode) return cudaErrorNotSupported;
-  const cuuint64_t dims[4] = {cuuint64_t(D), cuuint64_t(p.h_k), cuuint64_t(p.page_block_size), cuuint64_t(p.num_blocks)};
-  const cuuint64_t strides[3] = {cuuint64_t(p.k_stride_head) * 2, cuuint64_t(p.k_stride_token) * 2,
-                                 cuuint64_t(p.k_stride_block) * 2};
-  const cuuint32_t box[4] = {kTileCols, 1, kBlockN, 1};
-  const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
-  const CUresult res = encode(&args.kmap, std::is_same_v<T, __half> ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-                              4, const_cast<void*>(p.k_cache), dims, strides, box, elem_strides,
-                              CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                              CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (res != CUDA_SUCCESS) return cudaErrorInvalidValue;
+  const cudaError_t enc = encode_kv_tensor_map<T>(&args.kmap, p, D);
+  if (enc != cudaSuccess) return enc;
 
   constexpr int smem = int(sizeof(Smem<D>)) + 1024;  // + alignment of the tiles to 1024 bytes
   static_assert(smem <= 227 * 1024, "Q, both key buffers and P fit the 227 KB an sm90 block may use");
