@@ -134,6 +134,12 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_small_kernel(const _
     };
     __syncthreads();  // the previous piece is done with Q, P and both buffers
 
+    // Both buffers are free: the first two blocks' loads go out before Q is staged.
+    if (tid == 0) {
+      if (n_blocks > 0) issue_tiles(sm, args, 0, page_of(block_begin), group, 0, kTiles, policy);
+      if (n_blocks > 1) issue_tiles(sm, args, 1, page_of(block_begin + 1), group, 0, kTiles, policy);
+    }
+
     // ---- Q -> shared memory (N rows, swizzled; rows past the live rows zero) ------------------
     {
       const T* q = static_cast<const T*>(p.q);
@@ -160,23 +166,15 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_small_kernel(const _
     }
     __syncthreads();
 
-    if (tid == 0) {
-      if (n_blocks > 0) issue_tiles(sm, args, 0, page_of(block_begin), group, 0, kTiles, policy);
-      if (n_blocks > 1) issue_tiles(sm, args, 1, page_of(block_begin + 1), group, 0, kTiles, policy);
-    }
-
     // Rows (columns of S^T / O^T) this thread holds, their causal limits and running state.
-    int row_limit[kNT][2];
+    // The last key position row r may see (bottom-right causal for s_q > 1): r / hpg + causal_shift.
+    const bool causal = p.causal && p.s_q > 1;
+    const int causal_shift = len - p.s_q;
     float m_run[kNT][2], l_part[kNT][2];
 #pragma unroll
     for (int n = 0; n < kNT; ++n)
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int r = 8 * n + 2 * t4 + e;
-        row_limit[n][e] = (!p.causal || p.s_q == 1) ? INT_MAX : r / hpg + len - p.s_q;
-        m_run[n][e] = -INFINITY;
-        l_part[n][e] = 0.f;
-      }
+      for (int e = 0; e < 2; ++e) m_run[n][e] = -INFINITY, l_part[n][e] = 0.f;
     float o[kVTiles][N / 2];
 #pragma unroll
     for (int mt = 0; mt < kVTiles; ++mt)
@@ -187,7 +185,7 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_small_kernel(const _
     int pg_next = n_blocks > 1 ? page_of(block_begin + 1) : p.num_blocks;
     for (int j = 0; j < n_blocks; ++j) {
       const int buf = j & 1, kb = block_begin + j;
-      const uint32_t parity = (rounds[buf] + uint32_t(j / 2)) & 1u;
+      const uint32_t parity = ((buf ? rounds[1] : rounds[0]) + uint32_t(j / 2)) & 1u;
       const bool reload = j + 2 < n_blocks;
       const int pg_reload = reload ? page_of(kb + 2) : p.num_blocks;  // read early, used after S
       const int valid = min(kBlockN, len - kb * kBlockN);
@@ -221,7 +219,7 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_small_kernel(const _
 #pragma unroll
           for (int hk = 0; hk < 2; ++hk) {  // keys key_lo and key_lo + 8
             const int key = kb * kBlockN + key_lo + 8 * hk;
-            const bool ok = pg_ok && key < len && key <= row_limit[n][e];
+            const bool ok = pg_ok && key < len && (!causal || key <= (8 * n + 2 * t4 + e) / hpg + causal_shift);
             float& v = s[4 * n + 2 * hk + e];
             v = ok ? v * scale_log2 : -INFINITY;
             m = fmaxf(m, v);
@@ -275,6 +273,9 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_small_kernel(const _
         for (int n = 0; n < kNT; ++n)
 #pragma unroll
           for (int q = 0; q < 4; ++q) o[mt][4 * n + q] *= alpha[n][q % 2];
+      // Keep the rescale ahead of the wgmma fence (else the compiler adds one arrive per chain).
+#pragma unroll
+      for (int mt = 0; mt < kVTiles; ++mt) fence_regs(o[mt]);
       fence_proxy_async();
       __syncthreads();  // P complete; every thread has read warp_max
 
@@ -381,6 +382,7 @@ cudaError_t launch_for_dim(const DenseDecodeParams& p, cudaStream_t stream) {
 
 cudaError_t sm90_dense_decode_small(const DenseDecodeParams& p, cudaStream_t stream) {
   const int rows = p.s_q * (p.h_q / p.h_k);
+  if (rows > 32) return cudaErrorInvalidValue;  // the dispatch never sends more (kFeatHeadsOver32)
   cudaError_t err;
   if (p.dtype == DType::kFP16)
     err = rows <= 16 ? sm90_small::launch_for_dim<__half, 16>(p, stream) : sm90_small::launch_for_dim<__half, 32>(p, stream);
