@@ -204,7 +204,9 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_kernel(const __grid_
   constexpr int kTiles = SmemT::kTiles;
   const DenseDecodeParams& p = args.p;
   extern __shared__ uint8_t smem_raw[];
-  SmemT& sm = *reinterpret_cast<SmemT*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  // Tiles 1024-byte aligned; offsetting smem_raw (not rebuilding the pointer from an integer) keeps
+  // the accesses in the shared address space (STS/LDS rather than generic stores and loads).
+  SmemT& sm = *reinterpret_cast<SmemT*>(smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u));
 
   // Warp-uniform values go through a shuffle so that the compiler knows them uniform: a wgmma
   // under a branch it cannot prove uniform gets serialised.

@@ -80,7 +80,9 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_small_kernel(const 
   constexpr int kTiles = SmemT::kTiles;
   constexpr int kNT = N / 8;
   extern __shared__ uint8_t smem_raw[];
-  SmemT& sm = *reinterpret_cast<SmemT*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  // Tiles 1024-byte aligned; offsetting smem_raw (not rebuilding the pointer from an integer) keeps
+  // the accesses in the shared address space (STS/LDS rather than generic stores and loads).
+  SmemT& sm = *reinterpret_cast<SmemT*>(smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u));
 
   const int tid = threadIdx.x, wg = __shfl_sync(0xffffffffu, tid / 128, 0), wtid = tid % 128;
   const int warp = (wtid / 32), lane = tid % 32, g = lane / 4, t4 = lane % 4;
