@@ -156,10 +156,11 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_small_kernel(const 
           }
           uint8_t* tile_base = sm.k[buf][d / 64];
           const int ch = (d % 64) / 8;
-          const auto* b8 = reinterpret_cast<const __nv_fp8_e4m3*>(&nope[c]);
           if (ok) {
-            fp8::convert8<__nv_bfloat16>(b8, reinterpret_cast<__nv_bfloat16*>(tile_base + chunk_at(t, ch)), scale);
-            fp8::convert8<__nv_bfloat16>(b8 + 8, reinterpret_cast<__nv_bfloat16*>(tile_base + chunk_at(t, ch + 1)), scale);
+            *reinterpret_cast<uint4*>(tile_base + chunk_at(t, ch)) =
+                fp8::dequant8_bf16(make_uint2(nope[c].x, nope[c].y), scale);
+            *reinterpret_cast<uint4*>(tile_base + chunk_at(t, ch + 1)) =
+                fp8::dequant8_bf16(make_uint2(nope[c].z, nope[c].w), scale);
           } else {
             *reinterpret_cast<uint4*>(tile_base + chunk_at(t, ch)) = make_uint4(0, 0, 0, 0);
             *reinterpret_cast<uint4*>(tile_base + chunk_at(t, ch + 1)) = make_uint4(0, 0, 0, 0);
