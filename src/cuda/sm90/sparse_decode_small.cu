@@ -71,6 +71,80 @@ __device__ __forceinline__ int swz(int r, int c) { return r * 128 + ((((c >> 3) 
 // Byte offset of the 16-byte chunk holding dims [8 c, 8 c + 8) of row r, in its 64-dim tile.
 __device__ __forceinline__ int chunk_at(int r, int c) { return r * 128 + (((c ^ r) & 7) << 4); }
 
+// One producer thread's half of a token: its FP8 NoPE chunks, RoPE chunks and scales as loaded.
+template <KvFormat F>
+struct Raw {
+  bool ok;
+  uint4 nope[Format<F>::kHalfNopeChunks];
+  uint4 rope[4];
+  uint32_t scales[2];  // V3.2: the float32 scales of tiles 2 half, 2 half + 1; MODEL1: the 8 UE8M0 bytes
+};
+
+// Loads thread (t, half)'s part of token t of plan block blk of request i, query row s. Slots past
+// the length and indices outside the cache are invalid: nothing is read.
+template <KvFormat F>
+__device__ __forceinline__ Raw<F> load_raw(const SparseDecodeParams& p, const DecodePlanParams& plan, int i, int s,
+                                           int blk, int t, int half) {
+  using Fm = Format<F>;
+  Raw<F> r;
+  const SparseBlockSlots src = sparse_block_slots(p, plan, i, s, blk);
+  const SparseKvCache& cache = *src.cache;
+  const int slot = src.slot0 + t;
+  const int64_t tok = slot < src.len ? src.indices[slot] : -1;
+  r.ok = sparse_token_in_cache(cache, tok);
+  r.scales[0] = r.scales[1] = 0;
+  if (!r.ok) return r;
+  const uint8_t* block = cache.data + (tok / cache.page_block_size) * cache.stride_block;
+  const int off = int(tok % cache.page_block_size);
+  const uint8_t* rec = block + int64_t(off) * Fm::kRecordBytes;
+#pragma unroll
+  for (int c = 0; c < Fm::kHalfNopeChunks; ++c) {
+    const uint8_t* a = rec + (half * Fm::kHalfNopeChunks + c) * 16;
+    r.nope[c] = Fm::kV32 ? __ldg(reinterpret_cast<const uint4*>(a)) : fp8::load16_align8(a);
+  }
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    const uint8_t* a = rec + Fm::kRopeOffset + (half * 4 + c) * 16;
+    r.rope[c] = Fm::kV32 ? __ldg(reinterpret_cast<const uint4*>(a)) : fp8::load16_align8(a);
+  }
+  const uint2 sc = Fm::kV32 ? __ldg(reinterpret_cast<const uint2*>(rec + 512 + half * 8))
+                            : __ldg(reinterpret_cast<const uint2*>(block + int64_t(cache.page_block_size) * 576 +
+                                                                   int64_t(off) * 8));
+  r.scales[0] = sc.x, r.scales[1] = sc.y;
+  return r;
+}
+
+// Dequantises r into row t of a key buffer (bf16, 128-byte swizzle); an invalid token's row is zero.
+template <KvFormat F>
+__device__ __forceinline__ void store_raw(const Raw<F>& r, uint8_t (*tiles)[kTileBytes], int t, int half) {
+  using Fm = Format<F>;
+  const uint4 zero = make_uint4(0, 0, 0, 0);
+  // NoPE: chunk c of this half covers dims d = (half * chunks + c) * 16 .. + 16, inside one scale tile.
+#pragma unroll
+  for (int c = 0; c < Fm::kHalfNopeChunks; ++c) {
+    const int d = (half * Fm::kHalfNopeChunks + c) * 16;
+    float scale;
+    if constexpr (Fm::kV32) {
+      scale = __uint_as_float(c < 8 ? r.scales[0] : r.scales[1]);  // tile 2 half + c / 8
+    } else {
+      const int tile = d / 64;
+      scale = fp8::ue8m0(uint8_t((tile < 4 ? r.scales[0] >> (8 * tile) : r.scales[1] >> (8 * (tile - 4))) & 0xff));
+    }
+    uint8_t* tile_base = tiles[d / 64];
+    const int ch = (d % 64) / 8;
+    *reinterpret_cast<uint4*>(tile_base + chunk_at(t, ch)) =
+        r.ok ? fp8::dequant8_bf16(make_uint2(r.nope[c].x, r.nope[c].y), scale) : zero;
+    *reinterpret_cast<uint4*>(tile_base + chunk_at(t, ch + 1)) =
+        r.ok ? fp8::dequant8_bf16(make_uint2(r.nope[c].z, r.nope[c].w), scale) : zero;
+  }
+  // RoPE: 64 bf16 = 8 chunks of 8 dims, four per half, dims kNope + 8 (4 half + c).
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    const int d = Fm::kNope + (half * 4 + c) * 8;
+    *reinterpret_cast<uint4*>(tiles[d / 64] + chunk_at(t, (d % 64) / 8)) = r.ok ? r.rope[c] : zero;
+  }
+}
+
 template <KvFormat F, int N>
 __global__ void __launch_bounds__(kThreads, 1) sparse_decode_small_kernel(const __grid_constant__ SparseDecodeParams p) {
 #if defined(MLA_SM90A_DEVICE)
@@ -100,82 +174,38 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_small_kernel(const 
   uint32_t block_count = 0;  // blocks this CTA has handed over so far: buffer count % 2, phase (count / 2) % 2
 
   if (wg == 1) {
-    // ---- producer: gather, dequantise, store -------------------------------------------------
+    // ---- producer: gather, dequantise, store, one block ahead ---------------------------------
+    // The records of the next block are loaded into registers before this block is dequantised
+    // and stored, so one block's loads are always in flight behind the conversion work.
     const int t = wtid / 2, half = wtid % 2;  // token of the block, half of its dims
-    for (int k = 0; k < num_pieces; ++k) {
-      const PlanPiece pc = decode_io::piece(p.split, plan, part, k);
-      const int i = __shfl_sync(0xffffffffu, pc.req, 0);
-      const int block_begin = __shfl_sync(0xffffffffu, pc.block_begin, 0);
-      const int block_end = __shfl_sync(0xffffffffu, pc.block_end, 0);
-      for (int blk = block_begin; blk < block_end; ++blk, ++block_count) {
-        const int buf = block_count & 1;
-        const SparseBlockSlots src = sparse_block_slots(p, plan, i, s, blk);
-        const SparseKvCache& cache = *src.cache;
-        const int slot = src.slot0 + t;
-        const int64_t tok = slot < src.len ? src.indices[slot] : -1;  // slots past the length are never read
-        const bool ok = sparse_token_in_cache(cache, tok);
-        // Loads first (all in flight at once), then wait for the buffer.
-        uint4 nope[Fm::kHalfNopeChunks], rope[4];
-        uint32_t scales[2] = {0, 0};
-        if (ok) {
-          const uint8_t* block = cache.data + (tok / cache.page_block_size) * cache.stride_block;
-          const int off = int(tok % cache.page_block_size);
-          const uint8_t* rec = block + int64_t(off) * Fm::kRecordBytes;
-#pragma unroll
-          for (int c = 0; c < Fm::kHalfNopeChunks; ++c) {
-            const uint8_t* a = rec + (half * Fm::kHalfNopeChunks + c) * 16;
-            nope[c] = Fm::kV32 ? __ldg(reinterpret_cast<const uint4*>(a)) : fp8::load16_align8(a);
-          }
-#pragma unroll
-          for (int c = 0; c < 4; ++c) {
-            const uint8_t* a = rec + Fm::kRopeOffset + (half * 4 + c) * 16;
-            rope[c] = Fm::kV32 ? __ldg(reinterpret_cast<const uint4*>(a)) : fp8::load16_align8(a);
-          }
-          if constexpr (Fm::kV32) {
-            const uint2 sc = __ldg(reinterpret_cast<const uint2*>(rec + 512 + half * 8));  // tiles 2 half, 2 half + 1
-            scales[0] = sc.x, scales[1] = sc.y;
-          } else {
-            const uint2 e = __ldg(reinterpret_cast<const uint2*>(block + int64_t(cache.page_block_size) * 576 +
-                                                                int64_t(off) * 8));
-            scales[0] = e.x, scales[1] = e.y;
-          }
-        }
-        mbar_wait(&sm.empty[buf], ((block_count / 2) & 1) ^ 1);
-        // NoPE: chunk c of this half covers dims d = (half * chunks + c) * 16 .. + 16.
-#pragma unroll
-        for (int c = 0; c < Fm::kHalfNopeChunks; ++c) {
-          const int d = (half * Fm::kHalfNopeChunks + c) * 16;
-          float scale = 0.f;
-          if (ok) {
-            if constexpr (Fm::kV32) {
-              scale = __uint_as_float(c < 8 ? scales[0] : scales[1]);  // dims of tile 2 half + c / 8
-            } else {
-              const int tile = d / 64;
-              scale = fp8::ue8m0(uint8_t((tile < 4 ? scales[0] >> (8 * tile) : scales[1] >> (8 * (tile - 4))) & 0xff));
-            }
-          }
-          uint8_t* tile_base = sm.k[buf][d / 64];
-          const int ch = (d % 64) / 8;
-          if (ok) {
-            *reinterpret_cast<uint4*>(tile_base + chunk_at(t, ch)) =
-                fp8::dequant8_bf16(make_uint2(nope[c].x, nope[c].y), scale);
-            *reinterpret_cast<uint4*>(tile_base + chunk_at(t, ch + 1)) =
-                fp8::dequant8_bf16(make_uint2(nope[c].z, nope[c].w), scale);
-          } else {
-            *reinterpret_cast<uint4*>(tile_base + chunk_at(t, ch)) = make_uint4(0, 0, 0, 0);
-            *reinterpret_cast<uint4*>(tile_base + chunk_at(t, ch + 1)) = make_uint4(0, 0, 0, 0);
-          }
-        }
-        // RoPE: 64 bf16 = 8 chunks of 8 dims, four per half, dims kNope + 8 (4 half + c).
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-          const int d = Fm::kNope + (half * 4 + c) * 8;
-          *reinterpret_cast<uint4*>(sm.k[buf][d / 64] + chunk_at(t, (d % 64) / 8)) = ok ? rope[c] : make_uint4(0, 0, 0, 0);
-        }
-        if (half == 0) sm.valid[buf][t] = ok;
-        fence_proxy_async();
-        asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(&sm.full[buf])) : "memory");
+    // The CTA's blocks in order, across pieces: (piece k, its request, plan block blk).
+    int k = 0, i = 0, blk = 0, blk_end = 0;
+    auto advance = [&]() {  // to the next block; false past the last one
+      ++blk;
+      while (blk >= blk_end) {
+        if (++k >= num_pieces) return false;
+        const PlanPiece pc = decode_io::piece(p.split, plan, part, k);
+        i = __shfl_sync(0xffffffffu, pc.req, 0);
+        blk = __shfl_sync(0xffffffffu, pc.block_begin, 0);
+        blk_end = __shfl_sync(0xffffffffu, pc.block_end, 0);
       }
+      return true;
+    };
+    k = -1, blk = 0, blk_end = 0;
+    bool have = advance();
+    Raw<F> cur = have ? load_raw<F>(p, plan, i, s, blk, t, half) : Raw<F>{};
+    while (have) {
+      const int buf = block_count & 1;
+      const bool have_next = advance();
+      const Raw<F> next = have_next ? load_raw<F>(p, plan, i, s, blk, t, half) : Raw<F>{};
+      mbar_wait(&sm.empty[buf], ((block_count / 2) & 1) ^ 1);
+      store_raw<F>(cur, sm.k[buf], t, half);
+      if (half == 0) sm.valid[buf][t] = cur.ok;
+      fence_proxy_async();
+      asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(&sm.full[buf])) : "memory");
+      ++block_count;
+      cur = next;
+      have = have_next;
     }
   } else {
     // ---- consumer: S^T, softmax, O^T -----------------------------------------------------------
