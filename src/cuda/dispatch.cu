@@ -34,6 +34,8 @@ constexpr uint32_t kPrefillAll = kFeatBF16 | kFeatHeadDim576 | kFeatHeadDim512 |
 constexpr uint32_t kDenseSm90Small =
     kFeatBF16 | kFeatFP16 | kFeatHeadDim576 | kFeatHeadDim512 | kFeatCausal | kFeatPageSize64;
 constexpr uint32_t kDenseSm90 = kDenseSm90Small | kAnyRows;
+// Every sparse feature, at most 32 heads (the heads are wgmma's N).
+constexpr uint32_t kSparseSm90Small = kSparseAll & ~kAnyRows;
 
 const std::vector<Implementation<DenseDecodeParams>> kDense = {
 #if defined(MLA_KERNELS_WITH_SM90A)
@@ -43,6 +45,9 @@ const std::vector<Implementation<DenseDecodeParams>> kDense = {
     {{"portable", OpKind::kDenseDecode, 80, kAnyNewer, kDenseAll}, portable_dense_decode},
 };
 const std::vector<Implementation<SparseDecodeParams>> kSparse = {
+#if defined(MLA_KERNELS_WITH_SM90A)
+    {{"sm90_small", OpKind::kSparseDecode, 90, 90, kSparseSm90Small}, sm90_sparse_decode_small},
+#endif
     {{"portable", OpKind::kSparseDecode, 80, kAnyNewer, kSparseAll}, portable_sparse_decode},
 };
 const std::vector<Implementation<SparsePrefillParams>> kPrefill = {

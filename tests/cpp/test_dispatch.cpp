@@ -61,6 +61,8 @@ TEST(Dispatch, RequiredFeaturesOfACall) {
             kFeatBF16 | kFeatHeadDim512 | kFeatModel1Format | kFeatAttnSink | kFeatHeadsOver32 | kFeatHeadsOver64);
   s.h_q = 48;
   EXPECT_EQ(required_features(s), kFeatBF16 | kFeatHeadDim512 | kFeatModel1Format | kFeatAttnSink | kFeatHeadsOver32);
+  s.h_q = 32;
+  EXPECT_EQ(required_features(s), kFeatBF16 | kFeatHeadDim512 | kFeatModel1Format | kFeatAttnSink);
   DenseDecodeParams d;
   d.d_qk = 576, d.dtype = DType::kFP16, d.page_block_size = 16, d.s_q = 2, d.h_q = 16, d.h_k = 1, d.causal = true;
   EXPECT_EQ(required_features(d), kFeatFP16 | kFeatHeadDim576 | kFeatOtherPageSize | kFeatCausal);
