@@ -32,8 +32,10 @@
 #include "../common/decode_io.cuh"
 #include "../common/smem_limit.h"
 #include "../implementations.h"
+#include "common.cuh"
 #include "kv_tensor_map.h"
 #include "ptx_sm90.cuh"
+#include "small_n.cuh"
 
 namespace mla::cuda {
 
@@ -66,15 +68,6 @@ struct Args {
   DenseDecodeParams p;
 };
 
-template <typename T>
-__device__ __forceinline__ T from_float(float v) {
-  if constexpr (std::is_same_v<T, __half>) return __float2half_rn(v);
-  else return __float2bfloat16_rn(v);
-}
-
-// Byte offset of element (r, c) (c even: a pair, or any c for a single element) in a tile of
-// 128-byte rows with the 128-byte swizzle.
-__device__ __forceinline__ int swz(int r, int c) { return r * 128 + ((((c >> 3) ^ (r & 7))) << 4) + (c & 7) * 2; }
 
 #if defined(MLA_SM90A_DEVICE)
 
@@ -123,17 +116,9 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_small_kernel(const _
   uint32_t rounds[2] = {0, 0};  // loads issued into each buffer so far (mbarrier phases)
   const int num_pieces = decode_io::num_pieces(p.split, p.b, part);
   for (int k = 0; k < num_pieces; ++k) {
-    const PlanPiece pc = decode_io::piece(p.split, plan, part, k);
-    const int i = __shfl_sync(0xffffffffu, pc.req, 0), len = __shfl_sync(0xffffffffu, dense_len(plan, i), 0);
-    const int block_end = min(pc.block_end, ceil_div(len, kBlockN));
-    const int block_begin = __shfl_sync(0xffffffffu, min(pc.block_begin, block_end), 0);
-    const int n_blocks = __shfl_sync(0xffffffffu, block_end - block_begin, 0);
-    const int32_t* table = p.block_table + int64_t(i) * p.block_table_stride;
-    auto page_of = [&](int kb) {
-      if (kb >= p.max_blocks_per_seq) return p.num_blocks;
-      const int pg = table[kb];
-      return pg < 0 || pg >= p.num_blocks ? p.num_blocks : pg;
-    };
+    const DensePiece pc = dense_piece(p, plan, part, k, kBlockN);
+    const int i = pc.req, len = pc.len, block_begin = pc.block_begin, n_blocks = pc.n_blocks;
+    auto page_of = [&](int kb) { return dense_page(p, i, kb); };
     __syncthreads();  // the previous piece is done with Q, P and both buffers
 
     // Both buffers are free: the first two blocks' loads go out before Q is staged.
@@ -143,29 +128,7 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_small_kernel(const _
     }
 
     // ---- Q -> shared memory (N rows, swizzled; rows past the live rows zero) ------------------
-    {
-      const T* q = static_cast<const T*>(p.q);
-      constexpr int kChunks = D / 8;
-      const bool vec = ((reinterpret_cast<uintptr_t>(q) | (p.q_stride_b | p.q_stride_s | p.q_stride_h) * 2) & 15) == 0;
-      for (int c = tid; c < N * kChunks; c += kThreads) {
-        const int r = c / kChunks, ch = c % kChunks;
-        uint4 v = make_uint4(0, 0, 0, 0);
-        if (r < num_rows) {
-          const int s = r / hpg, h = group * hpg + r % hpg;
-          const T* src = q + i * p.q_stride_b + s * p.q_stride_s + h * p.q_stride_h + ch * 8;
-          if (vec) {
-            v = __ldg(reinterpret_cast<const uint4*>(src));
-          } else {
-            uint16_t e[8];
-            for (int j = 0; j < 8; ++j) e[j] = reinterpret_cast<const uint16_t*>(src)[j];
-            v = make_uint4(e[0] | uint32_t(e[1]) << 16, e[2] | uint32_t(e[3]) << 16, e[4] | uint32_t(e[5]) << 16,
-                           e[6] | uint32_t(e[7]) << 16);
-          }
-        }
-        *reinterpret_cast<uint4*>(sm.q[ch / 8] + r * 128 + (((ch % 8) ^ (r % 8)) << 4)) = v;
-      }
-      fence_proxy_async();
-    }
+    stage_q<T, D, N>(p, i, group, 0, sm.q[0], tid, kThreads);
     __syncthreads();
 
     // Rows (columns of S^T / O^T) this thread holds, their causal limits and running state.
@@ -192,51 +155,19 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_small_kernel(const _
       const int pg_reload = reload ? page_of(kb + 2) : p.num_blocks;  // read early, used after S
       const int valid = min(kBlockN, len - kb * kBlockN);
 
-      // ---- S^T = K Q^T ---------------------------------------------------------------------
-      float s[N / 2];
-      // All tiles first: a wait between the wgmma of one chain makes the compiler serialise them.
+      // ---- S^T = K Q^T (all tiles first: a wait inside a wgmma chain serialises it) -------------
+      float sc[N / 2];
       for (int t = 0; t < kTiles; ++t) mbar_wait(&sm.full[buf][t], parity);
-      wgmma_fence();
-#pragma unroll
-      for (int t = 0; t < kTiles; ++t) {
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk)
-          wgmma_ss_small<T, N, 0>(s, smem_desc(sm.k[buf][t] + kk * 32, 0, 1024), smem_desc(sm.q[t] + kk * 32, 0, 1024),
-                                  t > 0 || kk > 0);
-      }
-      wgmma_commit();
-      wgmma_wait<0>();
-      fence_regs(s);
+      small_qk<T, N, kTiles>(sm.k[buf], sm.q, sc);
       // The RoPE tile (D = 576) only feeds S: reload it with the block after next now.
       if (tid == 0 && reload && kTiles > kVTiles) issue_tiles(sm, args, buf, pg_reload, group, kVTiles, kTiles, policy);
 
-      // ---- mask, column max over the 64 keys -------------------------------------------------
+      // ---- mask (length, invalid page, causal), column maxima --------------------------------
       const bool pg_ok = pg_cur != p.num_blocks;
-      float mx[kNT][2];
-#pragma unroll
-      for (int n = 0; n < kNT; ++n)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          float m = -INFINITY;
-#pragma unroll
-          for (int hk = 0; hk < 2; ++hk) {  // keys key_lo and key_lo + 8
-            const int key = kb * kBlockN + key_lo + 8 * hk;
-            const bool ok = pg_ok && key < len && (!causal || key <= (8 * n + 2 * t4 + e) / hpg + causal_shift);
-            float& v = s[4 * n + 2 * hk + e];
-            v = ok ? v * scale_log2 : -INFINITY;
-            m = fmaxf(m, v);
-          }
-          m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 4));
-          m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 8));
-          m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 16));
-          mx[n][e] = m;
-        }
-      if (g == 0) {
-#pragma unroll
-        for (int n = 0; n < kNT; ++n)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) sm.warp_max[warp][8 * n + 2 * t4 + e] = mx[n][e];
-      }
+      const int key0 = kb * kBlockN;
+      small_mask_max<N>(sc, scale_log2, [&](int key, int r) {
+        return pg_ok && key0 + key < len && (!causal || key0 + key <= r / hpg + causal_shift);
+      }, sm.warp_max, warp, lane);
       // The V tail of the request's last page is garbage (maybe NaN): P is 0 there, 0 * NaN is not.
       if (valid < kBlockN) {
         const int rows = kBlockN - valid;
@@ -248,51 +179,10 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_small_kernel(const _
       }
       __syncthreads();
 
-      // ---- P = exp2(S - m), written as P [row][key]; O^T rescaled ------------------------------
-      float alpha[kNT][2];
-#pragma unroll
-      for (int n = 0; n < kNT; ++n)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int r = 8 * n + 2 * t4 + e;
-          const float blk = fmaxf(fmaxf(sm.warp_max[0][r], sm.warp_max[1][r]), fmaxf(sm.warp_max[2][r], sm.warp_max[3][r]));
-          const float m_new = fmaxf(m_run[n][e], blk);
-          alpha[n][e] = m_new == -INFINITY ? 1.f : exp2f(m_run[n][e] - m_new);
-          m_run[n][e] = m_new;
-          float sum = 0.f;
-#pragma unroll
-          for (int hk = 0; hk < 2; ++hk) {
-            float& v = s[4 * n + 2 * hk + e];
-            v = m_new == -INFINITY ? 0.f : exp2f(v - m_new);
-            sum += v;
-            *reinterpret_cast<T*>(sm.p + swz(r, key_lo + 8 * hk)) = from_float<T>(v);
-          }
-          l_part[n][e] = l_part[n][e] * alpha[n][e] + sum;
-        }
-#pragma unroll
-      for (int mt = 0; mt < kVTiles; ++mt)
-#pragma unroll
-        for (int n = 0; n < kNT; ++n)
-#pragma unroll
-          for (int q = 0; q < 4; ++q) o[mt][4 * n + q] *= alpha[n][q % 2];
-      // Keep the rescale ahead of the wgmma fence (else the compiler adds one arrive per chain).
-#pragma unroll
-      for (int mt = 0; mt < kVTiles; ++mt) fence_regs(o[mt]);
-      fence_proxy_async();
+      // ---- P = exp2(S - m) as P [row][key], O^T rescaled, then O^T += V^T P^T --------------------
+      small_softmax<T, N>(sc, sm.warp_max, m_run, l_part, o, sm.p, warp, lane);
       __syncthreads();  // P complete; every thread has read warp_max
-
-      // ---- O^T += V^T P^T ----------------------------------------------------------------------
-      wgmma_fence();
-#pragma unroll
-      for (int mt = 0; mt < kVTiles; ++mt)
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk)
-          wgmma_ss_small<T, N, 1>(o[mt], smem_desc(sm.k[buf][mt] + kk * 2048, kTileBytes, 1024),
-                                  smem_desc(sm.p + kk * 32, 0, 1024), 1);
-      wgmma_commit();
-      wgmma_wait<0>();
-#pragma unroll
-      for (int mt = 0; mt < kVTiles; ++mt) fence_regs(o[mt]);
+      small_pv<T, N>(sm.k[buf], sm.p, o);
       if (tid == 0 && reload) issue_tiles(sm, args, buf, pg_reload, group, 0, kVTiles, policy);
       pg_cur = pg_next;
       pg_next = pg_reload;
@@ -301,16 +191,7 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_small_kernel(const _
     rounds[1] += uint32_t(n_blocks / 2);
 
     // ---- epilogue: l over the 8 lanes and 4 warps sharing a row; O^T / l out ---------------------
-#pragma unroll
-    for (int n = 0; n < kNT; ++n)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        float l = l_part[n][e];
-        l += __shfl_xor_sync(0xffffffffu, l, 4);
-        l += __shfl_xor_sync(0xffffffffu, l, 8);
-        l += __shfl_xor_sync(0xffffffffu, l, 16);
-        if (g == 0) sm.warp_sum[warp][8 * n + 2 * t4 + e] = l;
-      }
+    small_row_sums<N>(l_part, sm.warp_sum, warp, lane);
     __syncthreads();
 #pragma unroll
     for (int n = 0; n < kNT; ++n)
@@ -339,7 +220,7 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_small_kernel(const _
 #pragma unroll
             for (int hk = 0; hk < 2; ++hk) {
               const float v = o[mt][4 * n + 2 * hk + e] * inv;
-              dst[mt * 64 + key_lo + 8 * hk] = from_float<T>(v);
+              dst[mt * 64 + key_lo + 8 * hk] = small_from_float<T>(v);
             }
           if (warp == 0 && g == 0)
             p.o.lse[i * p.o.lse_stride_b + s * p.o.lse_stride_s + h * p.o.lse_stride_h] =
@@ -362,17 +243,8 @@ cudaError_t launch(const DenseDecodeParams& p, cudaStream_t stream) {
   static_assert(smem <= 227 * 1024, "both key buffers, Q and P fit the 227 KB an sm90 block may use");
   cudaError_t err = raise_smem_limit_once<dense_decode_small_kernel<T, D, N>>(smem, "the sm90 small-rows kernel");
   if (err != cudaSuccess) return err;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(1, unsigned(p.h_k), unsigned(p.split.num_sm_parts));
-  config.blockDim = dim3(kThreads);
-  config.dynamicSmemBytes = size_t(smem);
-  config.stream = stream;
-  config.attrs = attr;
-  config.numAttrs = 1;
-  return cudaLaunchKernelEx(&config, dense_decode_small_kernel<T, D, N>, args);
+  return launch_dependent(dense_decode_small_kernel<T, D, N>, dim3(1, unsigned(p.h_k), unsigned(p.split.num_sm_parts)),
+                          kThreads, smem, stream, args);
 }
 
 template <typename T, int N>

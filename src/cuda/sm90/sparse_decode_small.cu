@@ -29,7 +29,9 @@
 #include "../common/smem_limit.h"
 #include "../implementations.h"
 #include "mla/sparse_slots.h"
+#include "common.cuh"
 #include "ptx_sm90.cuh"
+#include "small_n.cuh"
 
 namespace mla::cuda {
 
@@ -67,7 +69,6 @@ struct Smem {
   uint64_t full[2], empty[2];
 };
 
-__device__ __forceinline__ int swz(int r, int c) { return r * 128 + ((((c >> 3) ^ (r & 7))) << 4) + (c & 7) * 2; }
 // Byte offset of the 16-byte chunk holding dims [8 c, 8 c + 8) of row r, in its 64-dim tile.
 __device__ __forceinline__ int chunk_at(int r, int c) { return r * 128 + (((c ^ r) & 7) << 4); }
 
@@ -254,99 +255,19 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_small_kernel(const 
         mbar_wait(&sm.full[buf], (block_count / 2) & 1);
 
         float sc[N / 2];
-        wgmma_fence();
-#pragma unroll
-        for (int t = 0; t < kTiles; ++t)
-#pragma unroll
-          for (int kk = 0; kk < 4; ++kk)
-            wgmma_ss_small<__nv_bfloat16, N, 0>(sc, smem_desc(sm.k[buf][t] + kk * 32, 0, 1024),
-                                                smem_desc(sm.q[t] + kk * 32, 0, 1024), t > 0 || kk > 0);
-        wgmma_commit();
-        wgmma_wait<0>();
-        fence_regs(sc);
-
-        const bool ok0 = sm.valid[buf][key_lo], ok1 = sm.valid[buf][key_lo + 8];
-        float mx[kNT][2];
-#pragma unroll
-        for (int n = 0; n < kNT; ++n)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            float& v0 = sc[4 * n + e];
-            float& v1 = sc[4 * n + 2 + e];
-            v0 = ok0 ? v0 * scale_log2 : -INFINITY;
-            v1 = ok1 ? v1 * scale_log2 : -INFINITY;
-            float m = fmaxf(v0, v1);
-            m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 4));
-            m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 8));
-            m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 16));
-            mx[n][e] = m;
-          }
-        if (g == 0) {
-#pragma unroll
-          for (int n = 0; n < kNT; ++n)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) sm.warp_max[warp][8 * n + 2 * t4 + e] = mx[n][e];
-        }
+        small_qk<__nv_bfloat16, N, kTiles>(sm.k[buf], sm.q, sc);
+        const uint8_t* valid = sm.valid[buf];
+        small_mask_max<N>(sc, scale_log2, [&](int key, int) { return valid[key] != 0; }, sm.warp_max, warp, lane);
         named_sync(1, 128);
-
-        float alpha[kNT][2];
-#pragma unroll
-        for (int n = 0; n < kNT; ++n)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int r = 8 * n + 2 * t4 + e;
-            const float blkmax =
-                fmaxf(fmaxf(sm.warp_max[0][r], sm.warp_max[1][r]), fmaxf(sm.warp_max[2][r], sm.warp_max[3][r]));
-            const float m_new = fmaxf(m_run[n][e], blkmax);
-            alpha[n][e] = m_new == -INFINITY ? 1.f : exp2f(m_run[n][e] - m_new);
-            m_run[n][e] = m_new;
-            float sum = 0.f;
-#pragma unroll
-            for (int hk = 0; hk < 2; ++hk) {
-              float& v = sc[4 * n + 2 * hk + e];
-              v = m_new == -INFINITY ? 0.f : exp2f(v - m_new);
-              sum += v;
-              *reinterpret_cast<__nv_bfloat16*>(sm.p + swz(r, key_lo + 8 * hk)) = __float2bfloat16_rn(v);
-            }
-            l_part[n][e] = l_part[n][e] * alpha[n][e] + sum;
-          }
-#pragma unroll
-        for (int mt = 0; mt < kVTiles; ++mt)
-#pragma unroll
-          for (int n = 0; n < kNT; ++n)
-#pragma unroll
-            for (int q = 0; q < 4; ++q) o[mt][4 * n + q] *= alpha[n][q % 2];
-#pragma unroll
-        for (int mt = 0; mt < kVTiles; ++mt) fence_regs(o[mt]);
-        fence_proxy_async();
+        small_softmax<__nv_bfloat16, N>(sc, sm.warp_max, m_run, l_part, o, sm.p, warp, lane);
         named_sync(1, 128);  // P complete; every thread has read warp_max
-
-        wgmma_fence();
-#pragma unroll
-        for (int mt = 0; mt < kVTiles; ++mt)
-#pragma unroll
-          for (int kk = 0; kk < 4; ++kk)
-            wgmma_ss_small<__nv_bfloat16, N, 1>(o[mt], smem_desc(sm.k[buf][mt] + kk * 2048, kTileBytes, 1024),
-                                                smem_desc(sm.p + kk * 32, 0, 1024), 1);
-        wgmma_commit();
-        wgmma_wait<0>();
-#pragma unroll
-        for (int mt = 0; mt < kVTiles; ++mt) fence_regs(o[mt]);
+        small_pv<__nv_bfloat16, N>(sm.k[buf], sm.p, o);
         // The buffer (and its validity flags) go back to the producer.
         asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(&sm.empty[buf])) : "memory");
       }
 
       // ---- epilogue ----------------------------------------------------------------------------
-#pragma unroll
-      for (int n = 0; n < kNT; ++n)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          float l = l_part[n][e];
-          l += __shfl_xor_sync(0xffffffffu, l, 4);
-          l += __shfl_xor_sync(0xffffffffu, l, 8);
-          l += __shfl_xor_sync(0xffffffffu, l, 16);
-          if (g == 0) sm.warp_sum[warp][8 * n + 2 * t4 + e] = l;
-        }
+      small_row_sums<N>(l_part, sm.warp_sum, warp, lane);
       named_sync(1, 128);
 #pragma unroll
       for (int n = 0; n < kNT; ++n)
@@ -393,17 +314,8 @@ cudaError_t launch(const SparseDecodeParams& p, cudaStream_t stream) {
   const cudaError_t err =
       raise_smem_limit_once<sparse_decode_small_kernel<F, N>>(smem, "the sm90 small-heads sparse kernel");
   if (err != cudaSuccess) return err;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(1, unsigned(p.s_q), unsigned(p.split.num_sm_parts));
-  config.blockDim = dim3(kThreads);
-  config.dynamicSmemBytes = size_t(smem);
-  config.stream = stream;
-  config.attrs = attr;
-  config.numAttrs = 1;
-  return cudaLaunchKernelEx(&config, sparse_decode_small_kernel<F, N>, p);
+  return launch_dependent(sparse_decode_small_kernel<F, N>, dim3(1, unsigned(p.s_q), unsigned(p.split.num_sm_parts)),
+                          kThreads, smem, stream, p);
 }
 
 }  // namespace sm90_sparse_small
