@@ -37,10 +37,11 @@ __device__ __forceinline__ DensePiece dense_piece(const DenseDecodeParams& p, co
   return d;
 }
 
-// Page of key block kb of request req, or num_blocks (out of bounds) when the entry is invalid.
-__device__ __forceinline__ int dense_page(const DenseDecodeParams& p, int req, int kb) {
+// Page of key block kb given the request's block-table row, or num_blocks (out of bounds) when the
+// entry is invalid.
+__device__ __forceinline__ int dense_page(const DenseDecodeParams& p, const int32_t* table_row, int kb) {
   if (kb >= p.max_blocks_per_seq) return p.num_blocks;
-  const int pg = p.block_table[int64_t(req) * p.block_table_stride + kb];
+  const int pg = table_row[kb];
   return pg < 0 || pg >= p.num_blocks ? p.num_blocks : pg;
 }
 

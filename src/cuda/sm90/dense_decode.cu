@@ -236,7 +236,8 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_kernel(const __grid_
   for (int k = 0; k < num_pieces; ++k) {
     const DensePiece pc = dense_piece(p, plan, part, k, kBlockN);
     const int i = pc.req, len = pc.len, block_begin = pc.block_begin, n_blocks = pc.n_blocks;
-    auto page_of = [&](int kb) { return dense_page(p, i, kb); };
+    const int32_t* table = p.block_table + int64_t(i) * p.block_table_stride;
+    auto page_of = [&](int kb) { return dense_page(p, table, kb); };
     __syncthreads();  // the previous piece is done with Q, P and both buffers
 
     // ---- Q -> shared memory (swizzled), rows past the tile's live rows zero ------------------

@@ -118,7 +118,8 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_small_kernel(const _
   for (int k = 0; k < num_pieces; ++k) {
     const DensePiece pc = dense_piece(p, plan, part, k, kBlockN);
     const int i = pc.req, len = pc.len, block_begin = pc.block_begin, n_blocks = pc.n_blocks;
-    auto page_of = [&](int kb) { return dense_page(p, i, kb); };
+    const int32_t* table = p.block_table + int64_t(i) * p.block_table_stride;
+    auto page_of = [&](int kb) { return dense_page(p, table, kb); };
     __syncthreads();  // the previous piece is done with Q, P and both buffers
 
     // Both buffers are free: the first two blocks' loads go out before Q is staged.
