@@ -44,7 +44,7 @@ fi
 if has sanitize; then
   echo "== compute-sanitizer memcheck"
   compute-sanitizer --tool memcheck --print-limit 10 python3 -m pytest -q -p no:cacheprovider \
-    tests/python/test_sparse_decode.py tests/python/test_dense_decode.py tests/python/test_sparse_prefill.py tests/python/test_dense_sm90.py \
+    tests/python/test_sparse_decode.py tests/python/test_dense_decode.py tests/python/test_sparse_prefill.py tests/python/test_dense_sm90.py tests/python/test_sparse_sm90.py \
     -k "cuda and (invalid or pg1 or page1 or topk_gt or garbage or h1)" 2>&1 | tee "$LOG/sanitizer.log" | tail -4
   grep -q "ERROR SUMMARY: 0 errors" "$LOG/sanitizer.log" || status=1
 fi

@@ -31,6 +31,7 @@ enum Feature : uint32_t {
   kFeatPageSize64 = 1u << 12,    // page_block_size == 64
   kFeatOtherPageSize = 1u << 13,  // any other page size
   kFeatHeadsOver64 = 1u << 14,   // more than 64 query rows per KV head (dense) / heads (sparse)
+  kFeatHeadsOver32 = 1u << 15,   // more than 32 of them (set together with kFeatHeadsOver64 above 64)
 };
 
 // Human-readable names of the bits set in `features`, comma separated.

@@ -23,6 +23,7 @@ constexpr struct {
     {kFeatPageSize64, "page size 64"},
     {kFeatOtherPageSize, "page size other than 64"},
     {kFeatHeadsOver64, "more than 64 query rows per KV head"},
+    {kFeatHeadsOver32, "more than 32 query rows per KV head"},
 };
 
 uint32_t head_dim_bit(int d_qk) { return d_qk == kHeadDimV32 ? kFeatHeadDim576 : kFeatHeadDim512; }
@@ -53,7 +54,9 @@ uint32_t required_features(const DenseDecodeParams& p) {
   f |= p.dtype == DType::kFP16 ? kFeatFP16 : p.dtype == DType::kFP8E4M3 ? kFeatFP8 : kFeatBF16;
   f |= p.page_block_size == 64 ? kFeatPageSize64 : kFeatOtherPageSize;
   if (p.causal && p.s_q > 1) f |= kFeatCausal;
-  if (p.s_q * (p.h_q / p.h_k) > 64) f |= kFeatHeadsOver64;
+  const int rows = p.h_k > 0 ? p.s_q * (p.h_q / p.h_k) : 0;
+  if (rows > 32) f |= kFeatHeadsOver32;
+  if (rows > 64) f |= kFeatHeadsOver64;
   return f;
 }
 
@@ -64,6 +67,7 @@ uint32_t required_features(const SparseDecodeParams& p) {
   if (p.topk_length) f |= kFeatTopkLength;
   if (p.extra_kv.data) f |= kFeatExtraCache;
   if (p.extra_kv.data && p.extra_topk_length) f |= kFeatExtraTopkLength;
+  if (p.h_q > 32) f |= kFeatHeadsOver32;
   if (p.h_q > 64) f |= kFeatHeadsOver64;
   return f;
 }
@@ -72,6 +76,7 @@ uint32_t required_features(const SparsePrefillParams& p) {
   uint32_t f = kFeatBF16 | head_dim_bit(p.d_qk);
   if (p.attn_sink) f |= kFeatAttnSink;
   if (p.topk_length) f |= kFeatTopkLength;
+  if (p.h_q > 32) f |= kFeatHeadsOver32;
   if (p.h_q > 64) f |= kFeatHeadsOver64;
   return f;
 }

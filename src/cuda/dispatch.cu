@@ -20,26 +20,34 @@ struct Implementation {
 };
 
 constexpr int kAnyNewer = 1000;
+constexpr uint32_t kAnyRows = kFeatHeadsOver32 | kFeatHeadsOver64;
 constexpr uint32_t kDenseAll = kFeatBF16 | kFeatFP16 | kFeatFP8 | kFeatHeadDim576 | kFeatHeadDim512 | kFeatCausal |
-                               kFeatPageSize64 | kFeatOtherPageSize | kFeatHeadsOver64;
+                               kFeatPageSize64 | kFeatOtherPageSize | kAnyRows;
 constexpr uint32_t kSparseAll = kFeatBF16 | kFeatHeadDim576 | kFeatHeadDim512 | kFeatV32Format | kFeatModel1Format |
-                                kFeatAttnSink | kFeatTopkLength | kFeatExtraCache | kFeatExtraTopkLength |
-                                kFeatHeadsOver64;
+                                kFeatAttnSink | kFeatTopkLength | kFeatExtraCache | kFeatExtraTopkLength | kAnyRows;
 constexpr uint32_t kPrefillAll = kFeatBF16 | kFeatHeadDim576 | kFeatHeadDim512 | kFeatAttnSink | kFeatTopkLength |
-                                 kFeatHeadsOver64;
+                                 kAnyRows;
 
 // BF16/FP16 caches with 64-token pages (TMA boxes of one page); FP8 and other page sizes fall
-// through to the portable kernel.
-constexpr uint32_t kDenseSm90 = kFeatBF16 | kFeatFP16 | kFeatHeadDim576 | kFeatHeadDim512 | kFeatCausal |
-                                kFeatPageSize64 | kFeatHeadsOver64;
+// through to the portable kernel. Up to 32 query rows per KV head run the small-rows kernel (rows
+// as wgmma's N, no padding to 64); more run the two-warpgroup kernel.
+constexpr uint32_t kDenseSm90Small =
+    kFeatBF16 | kFeatFP16 | kFeatHeadDim576 | kFeatHeadDim512 | kFeatCausal | kFeatPageSize64;
+constexpr uint32_t kDenseSm90 = kDenseSm90Small | kAnyRows;
+// Every sparse feature, at most 32 heads (the heads are wgmma's N).
+constexpr uint32_t kSparseSm90Small = kSparseAll & ~kAnyRows;
 
 const std::vector<Implementation<DenseDecodeParams>> kDense = {
 #if defined(MLA_KERNELS_WITH_SM90A)
+    {{"sm90_small", OpKind::kDenseDecode, 90, 90, kDenseSm90Small}, sm90_dense_decode_small},
     {{"sm90", OpKind::kDenseDecode, 90, 90, kDenseSm90}, sm90_dense_decode},
 #endif
     {{"portable", OpKind::kDenseDecode, 80, kAnyNewer, kDenseAll}, portable_dense_decode},
 };
 const std::vector<Implementation<SparseDecodeParams>> kSparse = {
+#if defined(MLA_KERNELS_WITH_SM90A)
+    {{"sm90_small", OpKind::kSparseDecode, 90, 90, kSparseSm90Small}, sm90_sparse_decode_small},
+#endif
     {{"portable", OpKind::kSparseDecode, 80, kAnyNewer, kSparseAll}, portable_sparse_decode},
 };
 const std::vector<Implementation<SparsePrefillParams>> kPrefill = {

@@ -17,5 +17,9 @@ cudaError_t portable_sparse_prefill(const SparsePrefillParams& params, cudaStrea
 
 // Hopper kernels (sm_90a builds only): wgmma, TMA, warpgroup specialisation.
 cudaError_t sm90_dense_decode(const DenseDecodeParams& params, cudaStream_t stream);
+// At most 32 query rows per KV head (s_q * h_q / h_k <= 32).
+cudaError_t sm90_dense_decode_small(const DenseDecodeParams& params, cudaStream_t stream);
+// At most 32 heads, both FP8 formats, every sparse feature.
+cudaError_t sm90_sparse_decode_small(const SparseDecodeParams& params, cudaStream_t stream);
 
 }  // namespace mla::cuda

@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <random>
+#include <tuple>
 #include <vector>
 
 #include "mla/dispatch.h"
@@ -173,11 +174,30 @@ TEST(CudaDispatch, DenseDecodePicksTheHopperKernelOnSm90) {
     p.dtype = dtype;
     EXPECT_STREQ(cuda::implementation_name(OpKind::kDenseDecode, required_features(p)), hopper ? "sm90" : "portable");
   }
+  // At most 32 rows per KV head: the small-rows kernel.
+  for (auto [s_q, h_q, h_k] : {std::tuple{1, 16, 1}, std::tuple{2, 16, 1}, std::tuple{1, 64, 2}, std::tuple{1, 1, 1}}) {
+    p.s_q = s_q, p.h_q = h_q, p.h_k = h_k;
+    EXPECT_STREQ(cuda::implementation_name(OpKind::kDenseDecode, required_features(p)), hopper ? "sm90_small" : "portable")
+        << s_q << " x " << h_q << " / " << h_k;
+  }
+  p.s_q = 3, p.h_q = 16, p.h_k = 1;  // 48 rows
+  EXPECT_STREQ(cuda::implementation_name(OpKind::kDenseDecode, required_features(p)), hopper ? "sm90" : "portable");
+  p.s_q = 2, p.h_q = 128;
   p.dtype = DType::kFP8E4M3;
   EXPECT_STREQ(cuda::implementation_name(OpKind::kDenseDecode, required_features(p)), "portable");
   p.dtype = DType::kBF16, p.page_block_size = 16;
   EXPECT_STREQ(cuda::implementation_name(OpKind::kDenseDecode, required_features(p)), "portable");
   p.page_block_size = 64;
+  // Sparse decode: at most 32 heads run the small-heads kernel, more the portable one.
+  SparseDecodeParams sp;
+  sp.b = 4, sp.s_q = 1, sp.topk = 2048, sp.format = KvFormat::kV32;
+  for (int h_q : {1, 16, 32}) {
+    sp.h_q = h_q;
+    EXPECT_STREQ(cuda::implementation_name(OpKind::kSparseDecode, required_features(sp)), hopper ? "sm90_small" : "portable")
+        << h_q << " heads";
+  }
+  sp.h_q = 64;
+  EXPECT_STREQ(cuda::implementation_name(OpKind::kSparseDecode, required_features(sp)), "portable");
   ASSERT_EQ(setenv("MLA_KERNELS_IMPL", "portable", 1), 0);
   EXPECT_STREQ(cuda::implementation_name(OpKind::kDenseDecode, required_features(p)), "portable");
   unsetenv("MLA_KERNELS_IMPL");

@@ -1,8 +1,10 @@
-"""Dense decode on the Hopper kernel (64-token pages, BF16/FP16) and, for the same inputs, on the
-portable kernel forced through MLA_KERNELS_IMPL=portable: each against the float64 reference.
+"""Dense decode on the Hopper kernels (64-token pages, BF16/FP16) and, for the same inputs, on the
+others forced through MLA_KERNELS_IMPL: each against the float64 reference.
 
-On an sm90 GPU the default dispatch runs the Hopper kernel for these calls (tests/cpp
-test_cuda_common.cu checks the choice); on other GPUs both runs take the portable path. The cases
+On an sm90 GPU the default dispatch runs the small-rows kernel for at most 32 query rows per KV
+head and the two-warpgroup kernel for more (tests/cpp test_cuda_common.cu checks the choice);
+"sm90" forces the two-warpgroup kernel for every case and "portable" the portable one. On other
+GPUs only the default and portable runs exist (both portable). The cases
 cover odd head counts, h_k > 1, s_q > 1 with causal masks, odd and even numbers of key blocks (the
 kernel takes blocks in pairs), pieces split across parts, zero lengths, NaN in every unused slot
 and invalid block-table entries inside a sequence."""
@@ -15,12 +17,17 @@ import reference as R
 
 pytestmark = pytest.mark.cuda
 
-IMPLS = ["default", "portable"]
+def _impls():
+    hopper = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+    return ["default", "sm90", "portable"] if hopper else ["default", "portable"]
+
+
+IMPLS = _impls()
 
 
 def run(q, paged, causal, scale, impl, monkeypatch, lazy=True):
-    if impl == "portable":
-        monkeypatch.setenv("MLA_KERNELS_IMPL", "portable")
+    if impl != "default":
+        monkeypatch.setenv("MLA_KERNELS_IMPL", impl)
     else:
         monkeypatch.delenv("MLA_KERNELS_IMPL", raising=False)
     q_d, kc, bt, sl = (R.to_device(t, "cuda") for t in (q, paged.k_cache, paged.block_table, paged.cache_seqlens))
@@ -56,6 +63,12 @@ CASES = [
     ([300, 77], 4, 32, 1, True, torch.float16, 576),
     ([90, 450], 1, 128, 2, False, torch.bfloat16, 512),
     ([0, 0], 1, 16, 1, False, torch.bfloat16, 576),
+    # at most 32 rows per KV head (the small-rows kernel by default)
+    ([520, 64, 1], 2, 16, 1, True, torch.bfloat16, 576),
+    ([333, 129], 1, 32, 1, False, torch.float16, 576),
+    ([200, 75], 1, 64, 4, False, torch.bfloat16, 576),
+    ([96, 300], 4, 8, 1, True, torch.bfloat16, 512),
+    ([1, 2, 3], 3, 5, 1, True, torch.float16, 512),
 ]
 
 
@@ -80,14 +93,15 @@ def test_long_sequences_split_across_parts(h_q, impl, monkeypatch):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-def test_invalid_block_table_entries_are_masked(impl, monkeypatch):
+@pytest.mark.parametrize("h_q", [16, 64])
+def test_invalid_block_table_entries_are_masked(h_q, impl, monkeypatch):
     """A block-table entry inside a sequence that names no page of the cache (negative or past the
     end) contributes nothing: its keys are masked, never read."""
     seqlens = [64 * 5, 64 * 3 + 10]
     paged = R.make_dense_paged(seqlens, 64, 1, 576, torch.bfloat16)
     paged.block_table[0, 1] = -1
     paged.block_table[1, 2] = paged.k_cache.shape[0] + 5
-    q = R.rand((2, 1, 64, 576), torch.bfloat16)
+    q = R.rand((2, 1, h_q, 576), torch.bfloat16)
     out, lse = run(q, paged, False, 0.05, impl, monkeypatch)
     keep0 = torch.cat([torch.arange(0, 64), torch.arange(128, 320)])
     keep1 = torch.cat([torch.arange(0, 128), torch.arange(192, 202)])
@@ -97,12 +111,13 @@ def test_invalid_block_table_entries_are_masked(impl, monkeypatch):
     R.check_is_allclose("lse", lse, ref_lse, **R.DENSE_LSE_TOL)
 
 
-def test_hopper_and_portable_agree_closely(monkeypatch):
+@pytest.mark.parametrize("h_q", [16, 128])
+def test_hopper_and_portable_agree_closely(h_q, monkeypatch):
     """Both kernels round P to 16 bits before P V: their outputs agree far inside the reference
     tolerance."""
     seqlens = [1000, 517, 64]
     paged = R.make_dense_paged(seqlens, 64, 1, 576, torch.bfloat16)
-    q = R.rand((3, 2, 128, 576), torch.bfloat16)
+    q = R.rand((3, 2, h_q, 576), torch.bfloat16)
     a, la = run(q, paged, True, 576 ** -0.5, "default", monkeypatch)
     b, lb = run(q, paged, True, 576 ** -0.5, "portable", monkeypatch)
     assert torch.isfinite(a.float()).all() and torch.isfinite(la).all()

@@ -49,6 +49,8 @@
 #include "../common/decode_io.cuh"
 #include "../common/smem_limit.h"
 #include "../implementations.h"
+#include "common.cuh"
+#include "kv_tensor_map.h"
 #include "ptx_sm90.cuh"
 
 namespace mla::cuda {
@@ -228,44 +230,14 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_kernel(const __grid_
   uint32_t rounds[2] = {0, 0};  // loads issued into each buffer so far (mbarrier phases)
   const int num_pieces = decode_io::num_pieces(p.split, p.b, part);
   for (int k = 0; k < num_pieces; ++k) {
-    const PlanPiece pc = decode_io::piece(p.split, plan, part, k);
-    const int i = __shfl_sync(0xffffffffu, pc.req, 0), len = __shfl_sync(0xffffffffu, dense_len(plan, i), 0);
-    const int block_end = min(pc.block_end, ceil_div(len, kBlockN));
-    const int block_begin = __shfl_sync(0xffffffffu, min(pc.block_begin, block_end), 0);
-    const int n_blocks = __shfl_sync(0xffffffffu, block_end - block_begin, 0);
+    const DensePiece pc = dense_piece(p, plan, part, k, kBlockN);
+    const int i = pc.req, len = pc.len, block_begin = pc.block_begin, n_blocks = pc.n_blocks;
     const int32_t* table = p.block_table + int64_t(i) * p.block_table_stride;
-    // Page of key block kb, or num_blocks (out of bounds: TMA loads zeros) when the entry is invalid.
-    auto page_of = [&](int kb) {
-      if (kb >= p.max_blocks_per_seq) return p.num_blocks;
-      const int pg = table[kb];
-      return pg < 0 || pg >= p.num_blocks ? p.num_blocks : pg;
-    };
+    auto page_of = [&](int kb) { return dense_page(p, table, kb); };
     __syncthreads();  // the previous piece is done with Q, P and both buffers
 
     // ---- Q -> shared memory (swizzled), rows past the tile's live rows zero ------------------
-    {
-      const T* q = static_cast<const T*>(p.q);
-      constexpr int kChunks = D / 8;  // 16-byte chunks per row
-      const bool vec = ((reinterpret_cast<uintptr_t>(q) | (p.q_stride_b | p.q_stride_s | p.q_stride_h) * 2) & 15) == 0;
-      for (int c = tid; c < kBlockM * kChunks; c += kThreads) {
-        const int r = c / kChunks, ch = c % kChunks, row = row_base + r;
-        uint4 v = make_uint4(0, 0, 0, 0);
-        if (row < num_rows) {
-          const int s = row / hpg, h = group * hpg + row % hpg;
-          const T* src = q + i * p.q_stride_b + s * p.q_stride_s + h * p.q_stride_h + ch * 8;
-          if (vec) {
-            v = __ldg(reinterpret_cast<const uint4*>(src));
-          } else {
-            uint16_t e[8];
-            for (int j = 0; j < 8; ++j) e[j] = reinterpret_cast<const uint16_t*>(src)[j];
-            v = make_uint4(e[0] | uint32_t(e[1]) << 16, e[2] | uint32_t(e[3]) << 16, e[4] | uint32_t(e[5]) << 16,
-                           e[6] | uint32_t(e[7]) << 16);
-          }
-        }
-        *reinterpret_cast<uint4*>(sm.q[ch / 8] + r * 128 + (((ch % 8) ^ (r % 8)) << 4)) = v;
-      }
-      fence_proxy_async();
-    }
+    stage_q<T, D, kBlockM>(p, i, group, row_base, sm.q[0], tid, kThreads);
     __syncthreads();
 
     if (tid == 0) {
@@ -491,35 +463,12 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_kernel(const __grid_
 
 // ---- host side -------------------------------------------------------------------------------
 
-PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {
-  static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
-    void* ptr = nullptr;
-    cudaDriverEntryPointQueryResult status{};
-    const cudaError_t err =
-        cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault, &status);
-    return err == cudaSuccess && status == cudaDriverEntryPointSuccess
-               ? reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(ptr)
-               : nullptr;
-  }();
-  return fn;
-}
-
 template <typename T, int D>
 cudaError_t launch(const DenseDecodeParams& p, cudaStream_t stream) {
   Args args;
   args.p = p;
-  const auto encode = encode_fn();
-  if (!encode) return cudaErrorNotSupported;
-  const cuuint64_t dims[4] = {cuuint64_t(D), cuuint64_t(p.h_k), cuuint64_t(p.page_block_size), cuuint64_t(p.num_blocks)};
-  const cuuint64_t strides[3] = {cuuint64_t(p.k_stride_head) * 2, cuuint64_t(p.k_stride_token) * 2,
-                                 cuuint64_t(p.k_stride_block) * 2};
-  const cuuint32_t box[4] = {kTileCols, 1, kBlockN, 1};
-  const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
-  const CUresult res = encode(&args.kmap, std::is_same_v<T, __half> ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-                              4, const_cast<void*>(p.k_cache), dims, strides, box, elem_strides,
-                              CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                              CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (res != CUDA_SUCCESS) return cudaErrorInvalidValue;
+  const cudaError_t enc = encode_kv_tensor_map<T>(&args.kmap, p, D);
+  if (enc != cudaSuccess) return enc;
 
   constexpr int smem = int(sizeof(Smem<D>)) + 1024;  // + alignment of the tiles to 1024 bytes
   static_assert(smem <= 227 * 1024, "Q, both key buffers and P fit the 227 KB an sm90 block may use");
@@ -527,17 +476,7 @@ cudaError_t launch(const DenseDecodeParams& p, cudaStream_t stream) {
   if (err != cudaSuccess) return err;
   const int rows = p.s_q * (p.h_q / p.h_k);
   const dim3 grid(unsigned(ceil_div(rows, kBlockM)), unsigned(p.h_k), unsigned(p.split.num_sm_parts));
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t config = {};
-  config.gridDim = grid;
-  config.blockDim = dim3(kThreads);
-  config.dynamicSmemBytes = size_t(smem);
-  config.stream = stream;
-  config.attrs = attr;
-  config.numAttrs = 1;
-  return cudaLaunchKernelEx(&config, dense_decode_kernel<T, D>, args);
+  return launch_dependent(dense_decode_kernel<T, D>, grid, kThreads, smem, stream, args);
 }
 
 }  // namespace sm90

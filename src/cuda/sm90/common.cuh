@@ -1,0 +1,96 @@
+// What the Hopper kernels share: a dense plan piece's bounds as warp-uniform values, the
+// page of a key block (invalid entries as an out-of-bounds block, which TMA loads as zeros), Q
+// staged into swizzled shared-memory tiles, and the launch as a programmatic dependent.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "../common/decode_io.cuh"
+#include "mla/params.h"
+#include "mla/plan.h"
+#include "ptx_sm90.cuh"
+
+namespace mla::cuda::sm90 {
+
+// A plan piece of a dense call, clamped to the request's blocks. Every field is the same in all
+// threads and goes through a shuffle, so the compiler knows it warp-uniform (a wgmma under a branch
+// it cannot prove uniform gets serialised).
+struct DensePiece {
+  int req, len, block_begin, n_blocks;
+  bool is_split;
+  int split_index;
+};
+
+__device__ __forceinline__ DensePiece dense_piece(const DenseDecodeParams& p, const DecodePlanParams& plan, int part,
+                                                  int k, int block_keys) {
+  const PlanPiece pc = decode_io::piece(p.split, plan, part, k);
+  DensePiece d;
+  d.req = __shfl_sync(0xffffffffu, pc.req, 0);
+  d.len = __shfl_sync(0xffffffffu, dense_len(plan, d.req), 0);
+  const int block_end = min(pc.block_end, ceil_div(d.len, block_keys));
+  d.block_begin = __shfl_sync(0xffffffffu, min(pc.block_begin, block_end), 0);
+  d.n_blocks = __shfl_sync(0xffffffffu, block_end - min(pc.block_begin, block_end), 0);
+  d.is_split = pc.is_split;
+  d.split_index = pc.split_index;
+  return d;
+}
+
+// Page of key block kb given the request's block-table row, or num_blocks (out of bounds) when the
+// entry is invalid.
+__device__ __forceinline__ int dense_page(const DenseDecodeParams& p, const int32_t* table_row, int kb) {
+  if (kb >= p.max_blocks_per_seq) return p.num_blocks;
+  const int pg = table_row[kb];
+  return pg < 0 || pg >= p.num_blocks ? p.num_blocks : pg;
+}
+
+// Query rows [row_base, row_base + kRows) of KV head `group` of request req into kRows x 64 tiles
+// (tile t at q_tiles + t * kRows * 128, 128-byte swizzle); rows past the call's rows are zero.
+// Ends with the proxy fence; the caller synchronises the threads [0, threads) that wrote.
+template <typename T, int D, int kRows>
+__device__ __forceinline__ void stage_q(const DenseDecodeParams& p, int req, int group, int row_base, uint8_t* q_tiles,
+                                        int tid, int threads) {
+  const int hpg = p.h_q / p.h_k, num_rows = p.s_q * hpg;
+  const T* q = static_cast<const T*>(p.q);
+  constexpr int kChunks = D / 8;  // 16-byte chunks per row
+  const bool vec = ((reinterpret_cast<uintptr_t>(q) | (p.q_stride_b | p.q_stride_s | p.q_stride_h) * 2) & 15) == 0;
+  for (int c = tid; c < kRows * kChunks; c += threads) {
+    const int r = c / kChunks, ch = c % kChunks, row = row_base + r;
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (row < num_rows) {
+      const int s = row / hpg, h = group * hpg + row % hpg;
+      const T* src = q + req * p.q_stride_b + s * p.q_stride_s + h * p.q_stride_h + ch * 8;
+      if (vec) {
+        v = __ldg(reinterpret_cast<const uint4*>(src));
+      } else {
+        uint16_t e[8];
+        for (int j = 0; j < 8; ++j) e[j] = reinterpret_cast<const uint16_t*>(src)[j];
+        v = make_uint4(e[0] | uint32_t(e[1]) << 16, e[2] | uint32_t(e[3]) << 16, e[4] | uint32_t(e[5]) << 16,
+                       e[6] | uint32_t(e[7]) << 16);
+      }
+    }
+    *reinterpret_cast<uint4*>(q_tiles + (ch / 8) * kRows * 128 + r * 128 + (((ch % 8) ^ (r % 8)) << 4)) = v;
+  }
+  fence_proxy_async();
+}
+
+// Launches kernel<<<grid, threads, smem, stream>>>(args) as a programmatic dependent of the work
+// before it on the stream (the kernel waits with griddepcontrol.wait before reading its inputs).
+template <typename Args>
+cudaError_t launch_dependent(void (*kernel)(Args), dim3 grid, int threads, int smem, cudaStream_t stream,
+                             const Args& args) {
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = dim3(unsigned(threads));
+  config.dynamicSmemBytes = size_t(smem);
+  config.stream = stream;
+  config.attrs = attr;
+  config.numAttrs = 1;
+  return cudaLaunchKernelEx(&config, kernel, args);
+}
+
+}  // namespace mla::cuda::sm90

@@ -1,0 +1,275 @@
+// Hopper (sm_90a) dense MLA decode for few query rows per KV head (s_q x h_q / h_k <= 32: DeepSeek's
+// 128 heads under tensor parallelism 4-8, or MTP with 16 heads), where padding the rows to wgmma's
+// M = 64 would quadruple the tensor work of a memory-bound problem. BF16/FP16 caches with 64-token
+// pages, d_qk 576 or 512, d_v 512, causal for s_q > 1.
+//
+// Schedule (128 threads = one warpgroup, one CTA per (KV head, plan part), persistent over the
+// part's pieces): the rows become wgmma's N instead of its M:
+//   * S^T (64 keys x N rows) = K Q^T: m64nNk16 with K (the 64 x 64 TMA tile) as A and Q (N x D, in
+//     shared memory once per piece) as B;
+//   * the softmax runs down the columns of S^T: a row's max and sum are reduced over the 8 lanes
+//     that share it and the 4 warps (through shared memory);
+//   * P (N x 64) goes to shared memory; O^T (512 x N) += V^T P^T: m64nNk16 with V read
+//     transposed (MN-major) from the key tile as A, eight 64-dim tiles, O^T in registers;
+//   * keys arrive through TMA in 64-token blocks, 64 x 64 tiles on one mbarrier each, in two
+//     buffers: while one block is multiplied the next is in flight, and a buffer's RoPE tile is
+//     reloaded right after S, its V tiles right after O (the compute of a block is a fraction of
+//     its transfer, so the loads stay in flight);
+//   * the V tail of a request's last page is zeroed before use; invalid block-table entries load as
+//     zeros (out-of-bounds TMA box) and are masked;
+//   * epilogue: O^T / l to out / lse, or fp32 partials for the combine kernel (programmatic
+//     dependent launch).
+// Tile sizes: 64-key blocks, N = 16 or 32 rows, two key buffers (144 KB at D = 576) + Q (18 / 36 KB).
+// Not yet measured on a GPU.
+#include <cuda.h>
+#include <cudaTypedefs.h>
+#include <cuda_runtime.h>
+
+#include <climits>
+#include <cstdint>
+#include <type_traits>
+
+#include "../common/decode_io.cuh"
+#include "../common/smem_limit.h"
+#include "../implementations.h"
+#include "common.cuh"
+#include "kv_tensor_map.h"
+#include "ptx_sm90.cuh"
+#include "small_n.cuh"
+
+namespace mla::cuda {
+
+namespace sm90_small {
+
+using namespace sm90;
+
+constexpr int kThreads = 128;
+constexpr int kBlockN = 64;    // keys per block = page size = plan block = wgmma M of S^T
+constexpr int kTileCols = 64;  // 64 x 64 tiles of 16-bit elements: 128-byte rows
+constexpr int kTileBytes = kBlockN * 128;
+constexpr int kVTiles = 8;     // d_v 512 = 8 tiles = 8 wgmma M tiles of O^T
+static_assert(kBlockN == kPlanBlockSize, "one key block per plan block");
+
+template <int D, int N>
+struct Smem {
+  static constexpr int kTiles = D / kTileCols;  // 9 or 8
+  static constexpr int kRowTileBytes = N * 128;  // an N-row tile of Q or P (whole 1 KB swizzle atoms)
+  static_assert(N % 8 == 0 && kRowTileBytes % 1024 == 0, "Q and P tiles are whole 8-row swizzle atoms");
+  uint8_t k[2][kTiles][kTileBytes];
+  uint8_t q[kTiles][kRowTileBytes];
+  uint8_t p[kRowTileBytes];         // P [row][key], K-major
+  float warp_max[4][N];             // per-warp column maxima of S^T
+  float warp_sum[4][N];             // per-warp row sums (epilogue)
+  uint64_t full[2][kTiles];
+};
+
+struct Args {
+  CUtensorMap kmap;  // the cache as [num_blocks, page 64, h_k, D] elements, 64 x 64 boxes
+  DenseDecodeParams p;
+};
+
+
+#if defined(MLA_SM90A_DEVICE)
+
+template <int D, int N>
+__device__ __forceinline__ void issue_tiles(Smem<D, N>& sm, const Args& a, int buf, int page, int group, int t0,
+                                            int t1, uint64_t policy) {
+  for (int t = t0; t < t1; ++t) {
+    mbar_expect_tx(&sm.full[buf][t], kTileBytes);
+    tma_load_4d(sm.k[buf][t], &a.kmap, &sm.full[buf][t], t * kTileCols, group, 0, page, policy);
+  }
+}
+
+#endif  // MLA_SM90A_DEVICE
+
+template <typename T, int D, int N>
+__global__ void __launch_bounds__(kThreads, 1) dense_decode_small_kernel(const __grid_constant__ Args args) {
+#if defined(MLA_SM90A_DEVICE)
+  using SmemT = Smem<D, N>;
+  constexpr int kTiles = SmemT::kTiles;
+  constexpr int kNT = N / 8;  // n8 tiles of a thread's accumulators
+  const DenseDecodeParams& p = args.p;
+  extern __shared__ uint8_t smem_raw[];
+  // Tiles 1024-byte aligned; offsetting smem_raw (not rebuilding the pointer from an integer) keeps
+  // the accesses in the shared address space (STS/LDS rather than generic stores and loads).
+  SmemT& sm = *reinterpret_cast<SmemT*>(smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u));
+
+  const int tid = threadIdx.x, warp = __shfl_sync(0xffffffffu, tid / 32, 0), lane = tid % 32;
+  const int g = lane / 4, t4 = lane % 4;
+  const int group = blockIdx.y, part = blockIdx.z;
+  const int hpg = p.h_q / p.h_k, num_rows = p.s_q * hpg;
+  const DecodePlanParams plan = dense_plan_params(p);
+  const float scale_log2 = p.softmax_scale * decode_io::kLog2e;
+  const uint64_t policy = evict_first_policy();
+  // This thread's accumulator coordinates: keys (S^T) or dims within a 64-dim tile (O^T)
+  // 16 warp + g and + 8; rows (columns) 8 n + 2 t4 and + 1 for n < kNT.
+  const int key_lo = warp * 16 + g;
+
+  if (tid == 0) {
+    for (int b = 0; b < 2; ++b)
+      for (int t = 0; t < kTiles; ++t) mbar_init(&sm.full[b][t], 1);
+    fence_barrier_init();
+  }
+  __syncthreads();
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+
+  uint32_t rounds[2] = {0, 0};  // loads issued into each buffer so far (mbarrier phases)
+  const int num_pieces = decode_io::num_pieces(p.split, p.b, part);
+  for (int k = 0; k < num_pieces; ++k) {
+    const DensePiece pc = dense_piece(p, plan, part, k, kBlockN);
+    const int i = pc.req, len = pc.len, block_begin = pc.block_begin, n_blocks = pc.n_blocks;
+    const int32_t* table = p.block_table + int64_t(i) * p.block_table_stride;
+    auto page_of = [&](int kb) { return dense_page(p, table, kb); };
+    __syncthreads();  // the previous piece is done with Q, P and both buffers
+
+    // Both buffers are free: the first two blocks' loads go out before Q is staged.
+    if (tid == 0) {
+      if (n_blocks > 0) issue_tiles(sm, args, 0, page_of(block_begin), group, 0, kTiles, policy);
+      if (n_blocks > 1) issue_tiles(sm, args, 1, page_of(block_begin + 1), group, 0, kTiles, policy);
+    }
+
+    // ---- Q -> shared memory (N rows, swizzled; rows past the live rows zero) ------------------
+    stage_q<T, D, N>(p, i, group, 0, sm.q[0], tid, kThreads);
+    __syncthreads();
+
+    // Rows (columns of S^T / O^T) this thread holds, their causal limits and running state.
+    // The last key position row r may see (bottom-right causal for s_q > 1): r / hpg + causal_shift.
+    const bool causal = p.causal && p.s_q > 1;
+    const int causal_shift = len - p.s_q;
+    float m_run[kNT][2], l_part[kNT][2];
+#pragma unroll
+    for (int n = 0; n < kNT; ++n)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) m_run[n][e] = -INFINITY, l_part[n][e] = 0.f;
+    float o[kVTiles][N / 2];
+#pragma unroll
+    for (int mt = 0; mt < kVTiles; ++mt)
+#pragma unroll
+      for (int j = 0; j < N / 2; ++j) o[mt][j] = 0.f;
+
+    int pg_cur = n_blocks > 0 ? page_of(block_begin) : p.num_blocks;
+    int pg_next = n_blocks > 1 ? page_of(block_begin + 1) : p.num_blocks;
+    for (int j = 0; j < n_blocks; ++j) {
+      const int buf = j & 1, kb = block_begin + j;
+      const uint32_t parity = ((buf ? rounds[1] : rounds[0]) + uint32_t(j / 2)) & 1u;
+      const bool reload = j + 2 < n_blocks;
+      const int pg_reload = reload ? page_of(kb + 2) : p.num_blocks;  // read early, used after S
+      const int valid = min(kBlockN, len - kb * kBlockN);
+
+      // ---- S^T = K Q^T (all tiles first: a wait inside a wgmma chain serialises it) -------------
+      float sc[N / 2];
+      for (int t = 0; t < kTiles; ++t) mbar_wait(&sm.full[buf][t], parity);
+      small_qk<T, N, kTiles>(sm.k[buf], sm.q, sc);
+      // The RoPE tile (D = 576) only feeds S: reload it with the block after next now.
+      if (tid == 0 && reload && kTiles > kVTiles) issue_tiles(sm, args, buf, pg_reload, group, kVTiles, kTiles, policy);
+
+      // ---- mask (length, invalid page, causal), column maxima --------------------------------
+      const bool pg_ok = pg_cur != p.num_blocks;
+      const int key0 = kb * kBlockN;
+      small_mask_max<N>(sc, scale_log2, [&](int key, int r) {
+        return pg_ok && key0 + key < len && (!causal || key0 + key <= r / hpg + causal_shift);
+      }, sm.warp_max, warp, lane);
+      // The V tail of the request's last page is garbage (maybe NaN): P is 0 there, 0 * NaN is not.
+      if (valid < kBlockN) {
+        const int rows = kBlockN - valid;
+        for (int c = tid; c < rows * kVTiles * 8; c += kThreads) {
+          const int t = c / (rows * 8), r = valid + (c / 8) % rows;
+          *reinterpret_cast<uint4*>(sm.k[buf][t] + r * 128 + (c % 8) * 16) = make_uint4(0, 0, 0, 0);
+        }
+        fence_proxy_async();
+      }
+      __syncthreads();
+
+      // ---- P = exp2(S - m) as P [row][key], O^T rescaled, then O^T += V^T P^T --------------------
+      small_softmax<T, N>(sc, sm.warp_max, m_run, l_part, o, sm.p, warp, lane);
+      __syncthreads();  // P complete; every thread has read warp_max
+      small_pv<T, N>(sm.k[buf], sm.p, o);
+      if (tid == 0 && reload) issue_tiles(sm, args, buf, pg_reload, group, 0, kVTiles, policy);
+      pg_cur = pg_next;
+      pg_next = pg_reload;
+    }
+    rounds[0] += uint32_t((n_blocks + 1) / 2);
+    rounds[1] += uint32_t(n_blocks / 2);
+
+    // ---- epilogue: l over the 8 lanes and 4 warps sharing a row; O^T / l out ---------------------
+    small_row_sums<N>(l_part, sm.warp_sum, warp, lane);
+    __syncthreads();
+#pragma unroll
+    for (int n = 0; n < kNT; ++n)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int r = 8 * n + 2 * t4 + e;
+        if (r >= num_rows) continue;
+        const float l = sm.warp_sum[0][r] + sm.warp_sum[1][r] + sm.warp_sum[2][r] + sm.warp_sum[3][r];
+        const float m = m_run[n][e];
+        const int s = r / hpg, h = group * hpg + r % hpg;
+        if (pc.is_split) {
+          if (pc.split_index < 0 || pc.split_index >= p.b + p.split.num_sm_parts) continue;
+          const int64_t row = (int64_t(pc.split_index) * p.s_q + s) * p.h_q + h;
+          const float inv = l > 0.f ? 1.f / l : 0.f;
+          float* dst = p.split.o_accum + row * kHeadDimV;
+#pragma unroll
+          for (int mt = 0; mt < kVTiles; ++mt)
+#pragma unroll
+            for (int hk = 0; hk < 2; ++hk) dst[mt * 64 + key_lo + 8 * hk] = o[mt][4 * n + 2 * hk + e] * inv;
+          if (warp == 0 && g == 0) p.split.lse_accum[row] = l > 0.f ? log2f(l) + m : -INFINITY;
+        } else {
+          const float inv = l > 0.f ? 1.f / l : 0.f;
+          T* dst = static_cast<T*>(p.o.out) + i * p.o.out_stride_b + s * p.o.out_stride_s + h * p.o.out_stride_h;
+#pragma unroll
+          for (int mt = 0; mt < kVTiles; ++mt)
+#pragma unroll
+            for (int hk = 0; hk < 2; ++hk) {
+              const float v = o[mt][4 * n + 2 * hk + e] * inv;
+              dst[mt * 64 + key_lo + 8 * hk] = small_from_float<T>(v);
+            }
+          if (warp == 0 && g == 0)
+            p.o.lse[i * p.o.lse_stride_b + s * p.o.lse_stride_s + h * p.o.lse_stride_h] =
+                l > 0.f ? (log2f(l) + m) * decode_io::kLn2 : INFINITY;
+        }
+      }
+  }
+#endif  // MLA_SM90A_DEVICE
+}
+
+// ---- host side -------------------------------------------------------------------------------
+
+template <typename T, int D, int N>
+cudaError_t launch(const DenseDecodeParams& p, cudaStream_t stream) {
+  Args args;
+  args.p = p;
+  const cudaError_t enc = encode_kv_tensor_map<T>(&args.kmap, p, D);
+  if (enc != cudaSuccess) return enc;
+  constexpr int smem = int(sizeof(Smem<D, N>)) + 1024;  // + alignment of the tiles to 1024 bytes
+  static_assert(smem <= 227 * 1024, "both key buffers, Q and P fit the 227 KB an sm90 block may use");
+  cudaError_t err = raise_smem_limit_once<dense_decode_small_kernel<T, D, N>>(smem, "the sm90 small-rows kernel");
+  if (err != cudaSuccess) return err;
+  return launch_dependent(dense_decode_small_kernel<T, D, N>, dim3(1, unsigned(p.h_k), unsigned(p.split.num_sm_parts)),
+                          kThreads, smem, stream, args);
+}
+
+template <typename T, int N>
+cudaError_t launch_for_dim(const DenseDecodeParams& p, cudaStream_t stream) {
+  return p.d_qk == kHeadDimV32 ? launch<T, 576, N>(p, stream) : launch<T, 512, N>(p, stream);
+}
+
+}  // namespace sm90_small
+
+cudaError_t sm90_dense_decode_small(const DenseDecodeParams& p, cudaStream_t stream) {
+  const int rows = p.s_q * (p.h_q / p.h_k);
+  if (rows > 32) return cudaErrorInvalidValue;  // the dispatch never sends more (kFeatHeadsOver32)
+  cudaError_t err;
+  if (p.dtype == DType::kFP16)
+    err = rows <= 16 ? sm90_small::launch_for_dim<__half, 16>(p, stream) : sm90_small::launch_for_dim<__half, 32>(p, stream);
+  else
+    err = rows <= 16 ? sm90_small::launch_for_dim<__nv_bfloat16, 16>(p, stream)
+                     : sm90_small::launch_for_dim<__nv_bfloat16, 32>(p, stream);
+  if (err != cudaSuccess) return err;
+  CombineParams c;
+  c.b = p.b, c.s_q = p.s_q, c.h_q = p.h_q;
+  c.split = p.split;
+  c.o = p.o;
+  return combine(c, stream, /*pdl=*/true);
+}
+
+}  // namespace mla::cuda

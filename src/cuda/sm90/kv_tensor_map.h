@@ -1,0 +1,47 @@
+// Host side: the TMA tensor map of a paged dense cache, [num_blocks, page, h_k, d] 16-bit elements
+// read in 64 x 64 boxes (64 tokens of one page and head, 64 dims: 128-byte rows, 128-byte swizzle).
+// A block index past the cache (how kernels name an invalid block-table entry) loads zeros.
+#pragma once
+
+#include <cuda.h>
+#include <cudaTypedefs.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <type_traits>
+
+#include "mla/params.h"
+
+namespace mla::cuda::sm90 {
+
+inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* ptr = nullptr;
+    cudaDriverEntryPointQueryResult status{};
+    const cudaError_t err =
+        cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault, &status);
+    return err == cudaSuccess && status == cudaDriverEntryPointSuccess
+               ? reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(ptr)
+               : nullptr;
+  }();
+  return fn;
+}
+
+// T: __nv_bfloat16 or __half; d: the cache's last dimension (576 or 512).
+template <typename T>
+cudaError_t encode_kv_tensor_map(CUtensorMap* map, const DenseDecodeParams& p, int d) {
+  const auto encode = tensor_map_encoder();
+  if (!encode) return cudaErrorNotSupported;
+  const cuuint64_t dims[4] = {cuuint64_t(d), cuuint64_t(p.h_k), cuuint64_t(p.page_block_size), cuuint64_t(p.num_blocks)};
+  const cuuint64_t strides[3] = {cuuint64_t(p.k_stride_head) * sizeof(T), cuuint64_t(p.k_stride_token) * sizeof(T),
+                                 cuuint64_t(p.k_stride_block) * sizeof(T)};
+  const cuuint32_t box[4] = {64, 1, 64, 1};
+  const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
+  const CUresult res =
+      encode(map, std::is_same_v<T, __half> ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 4,
+             const_cast<void*>(p.k_cache), dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+             CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return res == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
+
+}  // namespace mla::cuda::sm90

@@ -1,0 +1,157 @@
+// The consumer steps shared by the Hopper kernels that put the query rows (dense) or heads (sparse)
+// in wgmma's N dimension (N = 16 or 32) instead of padding them to M = 64: per 64-key block,
+//   small_qk:        S^T (64 keys x N) = K Q^T, K a block of 64 x 64 key tiles, Q N x 64 tiles;
+//   small_mask_max:  mask S^T, reduce each column's max over the 8 lanes that share it, publish
+//                    each warp's maxima (the caller then synchronises the warpgroup);
+//   small_softmax:   the block max from the four warps, the running max and rescale factor per
+//                    column, P = exp2(S - m) written as P [column][key], O^T rescaled;
+//   small_pv:        O^T (512 x N, eight 64-dim tiles) += V^T P^T, V read transposed (MN-major) from
+//                    the first eight key tiles;
+//   small_row_sums:  the epilogue's per-column sums over lanes and warps.
+// Accumulator layout (wgmma m64nN, fp32): warp w, lane (g = lane / 4, t4 = lane % 4) holds
+// rows (keys or dims) 16 w + g and + 8, columns 8 n + 2 t4 and + 1, as v[4 n + 2 hk + e].
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "ptx_sm90.cuh"
+
+namespace mla::cuda::sm90 {
+
+constexpr int kSmallBlock = 64;                    // keys per block: wgmma M of S^T
+constexpr int kSmallTileBytes = kSmallBlock * 128;  // a 64 x 64 tile of 16-bit elements
+constexpr int kSmallVTiles = 8;                    // d_v 512: wgmma M tiles of O^T
+
+template <typename T>
+__device__ __forceinline__ T small_from_float(float v) {
+  if constexpr (std::is_same_v<T, __half>) return __float2half_rn(v);
+  else return __float2bfloat16_rn(v);
+}
+
+// Byte offset of element (r, c) in a tile of 128-byte rows with the 128-byte swizzle.
+__device__ __forceinline__ int small_swz(int r, int c) { return r * 128 + ((((c >> 3) ^ (r & 7))) << 4) + (c & 7) * 2; }
+
+#if defined(MLA_SM90A_DEVICE)
+
+template <typename T, int N, int kTiles>
+__device__ __forceinline__ void small_qk(const uint8_t (*k)[kSmallTileBytes], const uint8_t (*q)[N * 128],
+                                         float (&s)[N / 2]) {
+  wgmma_fence();
+#pragma unroll
+  for (int t = 0; t < kTiles; ++t)
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk)
+      wgmma_ss_small<T, N, 0>(s, smem_desc(k[t] + kk * 32, 0, 1024), smem_desc(q[t] + kk * 32, 0, 1024),
+                              t > 0 || kk > 0);
+  wgmma_commit();
+  wgmma_wait<0>();
+  fence_regs(s);
+}
+
+// valid(key, column): whether key (0..63 in the block) counts for column (row or head).
+template <int N, typename Valid>
+__device__ __forceinline__ void small_mask_max(float (&s)[N / 2], float scale_log2, const Valid& valid,
+                                               float (*warp_max)[N], int warp, int lane) {
+  const int g = lane / 4, t4 = lane % 4, key_lo = warp * 16 + g;
+  float mx[N / 8][2];
+#pragma unroll
+  for (int n = 0; n < N / 8; ++n)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      float m = -INFINITY;
+#pragma unroll
+      for (int hk = 0; hk < 2; ++hk) {
+        float& v = s[4 * n + 2 * hk + e];
+        v = valid(key_lo + 8 * hk, 8 * n + 2 * t4 + e) ? v * scale_log2 : -INFINITY;
+        m = fmaxf(m, v);
+      }
+      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 4));
+      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 8));
+      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 16));
+      mx[n][e] = m;
+    }
+  if (g == 0) {
+#pragma unroll
+    for (int n = 0; n < N / 8; ++n)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) warp_max[warp][8 * n + 2 * t4 + e] = mx[n][e];
+  }
+}
+
+template <typename T, int N>
+__device__ __forceinline__ void small_softmax(float (&s)[N / 2], const float (*warp_max)[N], float (&m_run)[N / 8][2],
+                                              float (&l_part)[N / 8][2], float (&o)[kSmallVTiles][N / 2], uint8_t* p,
+                                              int warp, int lane) {
+  const int g = lane / 4, t4 = lane % 4, key_lo = warp * 16 + g;
+  float alpha[N / 8][2];
+#pragma unroll
+  for (int n = 0; n < N / 8; ++n)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int c = 8 * n + 2 * t4 + e;
+      const float blk = fmaxf(fmaxf(warp_max[0][c], warp_max[1][c]), fmaxf(warp_max[2][c], warp_max[3][c]));
+      const float m_new = fmaxf(m_run[n][e], blk);
+      alpha[n][e] = m_new == -INFINITY ? 1.f : exp2f(m_run[n][e] - m_new);
+      m_run[n][e] = m_new;
+      float sum = 0.f;
+#pragma unroll
+      for (int hk = 0; hk < 2; ++hk) {
+        float& v = s[4 * n + 2 * hk + e];
+        v = m_new == -INFINITY ? 0.f : exp2f(v - m_new);
+        sum += v;
+        *reinterpret_cast<T*>(p + small_swz(c, key_lo + 8 * hk)) = small_from_float<T>(v);
+      }
+      l_part[n][e] = l_part[n][e] * alpha[n][e] + sum;
+    }
+#pragma unroll
+  for (int mt = 0; mt < kSmallVTiles; ++mt)
+#pragma unroll
+    for (int n = 0; n < N / 8; ++n)
+#pragma unroll
+      for (int q = 0; q < 4; ++q) o[mt][4 * n + q] *= alpha[n][q % 2];
+  // Keep the rescale ahead of the next wgmma fence (else the compiler adds one arrive per chain).
+#pragma unroll
+  for (int mt = 0; mt < kSmallVTiles; ++mt) fence_regs(o[mt]);
+  fence_proxy_async();  // P is read by wgmma next
+}
+
+template <typename T, int N>
+__device__ __forceinline__ void small_pv(const uint8_t (*k)[kSmallTileBytes], const uint8_t* p,
+                                         float (&o)[kSmallVTiles][N / 2]) {
+  wgmma_fence();
+#pragma unroll
+  for (int mt = 0; mt < kSmallVTiles; ++mt)
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk)
+      wgmma_ss_small<T, N, 1>(o[mt], smem_desc(k[mt] + kk * 2048, kSmallTileBytes, 1024),
+                              smem_desc(p + kk * 32, 0, 1024), 1);
+  wgmma_commit();
+  wgmma_wait<0>();
+#pragma unroll
+  for (int mt = 0; mt < kSmallVTiles; ++mt) fence_regs(o[mt]);
+}
+
+// Publishes each warp's column sums (the caller synchronises, then adds the four warps').
+template <int N>
+__device__ __forceinline__ void small_row_sums(const float (&l_part)[N / 8][2], float (*warp_sum)[N], int warp,
+                                               int lane) {
+  const int g = lane / 4, t4 = lane % 4;
+#pragma unroll
+  for (int n = 0; n < N / 8; ++n)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      float l = l_part[n][e];
+      l += __shfl_xor_sync(0xffffffffu, l, 4);
+      l += __shfl_xor_sync(0xffffffffu, l, 8);
+      l += __shfl_xor_sync(0xffffffffu, l, 16);
+      if (g == 0) warp_sum[warp][8 * n + 2 * t4 + e] = l;
+    }
+}
+
+#endif  // MLA_SM90A_DEVICE
+
+}  // namespace mla::cuda::sm90

@@ -1,0 +1,340 @@
+// Hopper (sm_90a) sparse MLA decode over FP8 caches (V3.2: d_qk 576, 656 bytes per token; MODEL1:
+// d_qk 512, 584 bytes per token, block-interleaved scales) for at most 32 heads: DeepSeek's 128
+// heads under tensor parallelism 4-8, which FlashMLA pads to 64. Every feature of the op: the
+// attention sink, topk_length, an extra cache with its own page size, extra_topk_length; indices
+// outside the cache are invalid and never read.
+//
+// Schedule (256 threads, one CTA per (query token s, plan part), persistent over the part's
+// pieces; one CTA per SM):
+//   * warpgroup 1 produces: per 64-slot block, two threads per token gather the FP8 record with
+//     16-byte loads (8-byte for MODEL1, whose records are only 8-byte aligned), dequantise it to
+//     bf16 (exactly as the reference: e4m3 * scale rounded to bf16; RoPE copied) and store it into
+//     a 64 x D key buffer in the 128-byte swizzle, with a validity flag per token; two buffers
+//     handed over with full / empty mbarriers;
+//   * warpgroup 0 consumes, with the heads as wgmma's N (16 or 32; no padding to 64):
+//     S^T (64 tokens x N heads) = K Q^T, masked by the validity flags; the softmax down the columns
+//     of S^T (lanes sharing a head, then the four warps through shared memory); P (N x 64) to
+//     shared memory; O^T (512 x N) += V^T P^T with V read transposed from the buffer;
+//   * epilogue: O^T / (l + exp2(sink - m)) to out / lse for whole pieces, fp32 partials for split
+//     ones (the combine kernel applies the sink).
+// Tile sizes: 64-token blocks, N = 16 or 32 heads, two bf16 key buffers (144 KB at d_qk 576) + Q.
+// Not yet measured on a GPU.
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "../common/decode_io.cuh"
+#include "../common/fp8.cuh"
+#include "../common/smem_limit.h"
+#include "../implementations.h"
+#include "mla/sparse_slots.h"
+#include "common.cuh"
+#include "ptx_sm90.cuh"
+#include "small_n.cuh"
+
+namespace mla::cuda {
+
+namespace sm90_sparse_small {
+
+using namespace sm90;
+
+constexpr int kThreads = 256;  // warpgroup 0 consumes, warpgroup 1 produces
+constexpr int kBlockN = 64;    // tokens per block = plan block = wgmma M of S^T
+constexpr int kTileBytes = kBlockN * 128;
+constexpr int kVTiles = 8;     // d_v 512
+static_assert(kBlockN == kPlanBlockSize, "one token block per plan block");
+static_assert(kThreads == 2 * 128 && 2 * kBlockN == 128, "two producer threads per token");
+
+template <KvFormat F>
+struct Format {
+  static constexpr bool kV32 = F == KvFormat::kV32;
+  static constexpr int kD = kV32 ? 576 : 512;
+  static constexpr int kNope = kV32 ? 512 : 448;          // FP8 dims
+  static constexpr int kRecordBytes = kV32 ? 656 : 576;   // bytes of a token inside its page block
+  static constexpr int kRopeOffset = kV32 ? 528 : 448;    // bytes into the record
+  static constexpr int kScaleTile = kV32 ? 128 : 64;      // dims per scale
+  static constexpr int kHalfNopeChunks = kNope / 2 / 16;  // 16-byte FP8 chunks per producer thread
+};
+
+template <int D, int N>
+struct Smem {
+  static constexpr int kTiles = D / 64;
+  uint8_t k[2][kTiles][kTileBytes];  // dequantised tokens [token][dim], bf16, swizzled
+  uint8_t q[kTiles][N * 128];
+  uint8_t p[N * 128];                // P [head][token]
+  float warp_max[4][N];
+  float warp_sum[4][N];
+  uint8_t valid[2][kBlockN];
+  uint64_t full[2], empty[2];
+};
+
+// Byte offset of the 16-byte chunk holding dims [8 c, 8 c + 8) of row r, in its 64-dim tile.
+__device__ __forceinline__ int chunk_at(int r, int c) { return r * 128 + (((c ^ r) & 7) << 4); }
+
+// One producer thread's half of a token: its FP8 NoPE chunks, RoPE chunks and scales as loaded.
+template <KvFormat F>
+struct Raw {
+  bool ok;
+  uint4 nope[Format<F>::kHalfNopeChunks];
+  uint4 rope[4];
+  uint32_t scales[2];  // V3.2: the float32 scales of tiles 2 half, 2 half + 1; MODEL1: the 8 UE8M0 bytes
+};
+
+// Loads thread (t, half)'s part of token t of plan block blk of request i, query row s. Slots past
+// the length and indices outside the cache are invalid: nothing is read.
+template <KvFormat F>
+__device__ __forceinline__ Raw<F> load_raw(const SparseDecodeParams& p, const DecodePlanParams& plan, int i, int s,
+                                           int blk, int t, int half) {
+  using Fm = Format<F>;
+  Raw<F> r;
+  const SparseBlockSlots src = sparse_block_slots(p, plan, i, s, blk);
+  const SparseKvCache& cache = *src.cache;
+  const int slot = src.slot0 + t;
+  const int64_t tok = slot < src.len ? src.indices[slot] : -1;
+  r.ok = sparse_token_in_cache(cache, tok);
+  r.scales[0] = r.scales[1] = 0;
+  if (!r.ok) return r;
+  const uint8_t* block = cache.data + (tok / cache.page_block_size) * cache.stride_block;
+  const int off = int(tok % cache.page_block_size);
+  const uint8_t* rec = block + int64_t(off) * Fm::kRecordBytes;
+#pragma unroll
+  for (int c = 0; c < Fm::kHalfNopeChunks; ++c) {
+    const uint8_t* a = rec + (half * Fm::kHalfNopeChunks + c) * 16;
+    r.nope[c] = Fm::kV32 ? __ldg(reinterpret_cast<const uint4*>(a)) : fp8::load16_align8(a);
+  }
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    const uint8_t* a = rec + Fm::kRopeOffset + (half * 4 + c) * 16;
+    r.rope[c] = Fm::kV32 ? __ldg(reinterpret_cast<const uint4*>(a)) : fp8::load16_align8(a);
+  }
+  const uint2 sc = Fm::kV32 ? __ldg(reinterpret_cast<const uint2*>(rec + 512 + half * 8))
+                            : __ldg(reinterpret_cast<const uint2*>(block + int64_t(cache.page_block_size) * 576 +
+                                                                   int64_t(off) * 8));
+  r.scales[0] = sc.x, r.scales[1] = sc.y;
+  return r;
+}
+
+// Dequantises r into row t of a key buffer (bf16, 128-byte swizzle); an invalid token's row is zero.
+template <KvFormat F>
+__device__ __forceinline__ void store_raw(const Raw<F>& r, uint8_t (*tiles)[kTileBytes], int t, int half) {
+  using Fm = Format<F>;
+  const uint4 zero = make_uint4(0, 0, 0, 0);
+  // NoPE: chunk c of this half covers dims d = (half * chunks + c) * 16 .. + 16, inside one scale tile.
+#pragma unroll
+  for (int c = 0; c < Fm::kHalfNopeChunks; ++c) {
+    const int d = (half * Fm::kHalfNopeChunks + c) * 16;
+    float scale;
+    if constexpr (Fm::kV32) {
+      scale = __uint_as_float(c < 8 ? r.scales[0] : r.scales[1]);  // tile 2 half + c / 8
+    } else {
+      const int tile = d / 64;
+      scale = fp8::ue8m0(uint8_t((tile < 4 ? r.scales[0] >> (8 * tile) : r.scales[1] >> (8 * (tile - 4))) & 0xff));
+    }
+    uint8_t* tile_base = tiles[d / 64];
+    const int ch = (d % 64) / 8;
+    *reinterpret_cast<uint4*>(tile_base + chunk_at(t, ch)) =
+        r.ok ? fp8::dequant8_bf16(make_uint2(r.nope[c].x, r.nope[c].y), scale) : zero;
+    *reinterpret_cast<uint4*>(tile_base + chunk_at(t, ch + 1)) =
+        r.ok ? fp8::dequant8_bf16(make_uint2(r.nope[c].z, r.nope[c].w), scale) : zero;
+  }
+  // RoPE: 64 bf16 = 8 chunks of 8 dims, four per half, dims kNope + 8 (4 half + c).
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    const int d = Fm::kNope + (half * 4 + c) * 8;
+    *reinterpret_cast<uint4*>(tiles[d / 64] + chunk_at(t, (d % 64) / 8)) = r.ok ? r.rope[c] : zero;
+  }
+}
+
+template <KvFormat F, int N>
+__global__ void __launch_bounds__(kThreads, 1) sparse_decode_small_kernel(const __grid_constant__ SparseDecodeParams p) {
+#if defined(MLA_SM90A_DEVICE)
+  using Fm = Format<F>;
+  constexpr int D = Fm::kD;
+  using SmemT = Smem<D, N>;
+  constexpr int kTiles = SmemT::kTiles;
+  constexpr int kNT = N / 8;
+  extern __shared__ uint8_t smem_raw[];
+  // Tiles 1024-byte aligned; offsetting smem_raw (not rebuilding the pointer from an integer) keeps
+  // the accesses in the shared address space (STS/LDS rather than generic stores and loads).
+  SmemT& sm = *reinterpret_cast<SmemT*>(smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u));
+
+  const int tid = threadIdx.x, wg = __shfl_sync(0xffffffffu, tid / 128, 0), wtid = tid % 128;
+  const int warp = (wtid / 32), lane = tid % 32, g = lane / 4, t4 = lane % 4;
+  const int s = blockIdx.y, part = blockIdx.z;
+  const DecodePlanParams plan = sparse_plan_params(p);
+
+  if (tid == 0) {
+    for (int b = 0; b < 2; ++b) mbar_init(&sm.full[b], 128), mbar_init(&sm.empty[b], 128);
+    fence_barrier_init();
+  }
+  __syncthreads();
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+
+  const int num_pieces = decode_io::num_pieces(p.split, p.b, part);
+  uint32_t block_count = 0;  // blocks this CTA has handed over so far: buffer count % 2, phase (count / 2) % 2
+
+  if (wg == 1) {
+    // ---- producer: gather, dequantise, store, one block ahead ---------------------------------
+    // The records of the next block are loaded into registers before this block is dequantised
+    // and stored, so one block's loads are always in flight behind the conversion work.
+    const int t = wtid / 2, half = wtid % 2;  // token of the block, half of its dims
+    // The CTA's blocks in order, across pieces: (piece k, its request, plan block blk).
+    int k = 0, i = 0, blk = 0, blk_end = 0;
+    auto advance = [&]() {  // to the next block; false past the last one
+      ++blk;
+      while (blk >= blk_end) {
+        if (++k >= num_pieces) return false;
+        const PlanPiece pc = decode_io::piece(p.split, plan, part, k);
+        i = __shfl_sync(0xffffffffu, pc.req, 0);
+        blk = __shfl_sync(0xffffffffu, pc.block_begin, 0);
+        blk_end = __shfl_sync(0xffffffffu, pc.block_end, 0);
+      }
+      return true;
+    };
+    k = -1, blk = 0, blk_end = 0;
+    bool have = advance();
+    Raw<F> cur = have ? load_raw<F>(p, plan, i, s, blk, t, half) : Raw<F>{};
+    while (have) {
+      const int buf = block_count & 1;
+      const bool have_next = advance();
+      const Raw<F> next = have_next ? load_raw<F>(p, plan, i, s, blk, t, half) : Raw<F>{};
+      mbar_wait(&sm.empty[buf], ((block_count / 2) & 1) ^ 1);
+      store_raw<F>(cur, sm.k[buf], t, half);
+      if (half == 0) sm.valid[buf][t] = cur.ok;
+      fence_proxy_async();
+      asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(&sm.full[buf])) : "memory");
+      ++block_count;
+      cur = next;
+      have = have_next;
+    }
+  } else {
+    // ---- consumer: S^T, softmax, O^T -----------------------------------------------------------
+    const float scale_log2 = p.softmax_scale * decode_io::kLog2e;
+    const int key_lo = warp * 16 + g;
+    for (int k = 0; k < num_pieces; ++k) {
+      const PlanPiece pc = decode_io::piece(p.split, plan, part, k);
+      const int i = __shfl_sync(0xffffffffu, pc.req, 0);
+      const int block_begin = __shfl_sync(0xffffffffu, pc.block_begin, 0);
+      const int block_end = __shfl_sync(0xffffffffu, pc.block_end, 0);
+
+      // Q of this query token -> shared memory (N heads; heads past h_q zero).
+      named_sync(1, 128);  // the previous piece is done with Q
+      {
+        const auto* q = reinterpret_cast<const __nv_bfloat16*>(p.q);
+        constexpr int kChunks = D / 8;
+        for (int c = wtid; c < N * kChunks; c += 128) {
+          const int h = c / kChunks, ch = c % kChunks;
+          uint4 v = make_uint4(0, 0, 0, 0);
+          if (h < p.h_q) {
+            const __nv_bfloat16* src = q + i * p.q_stride_b + s * p.q_stride_s + h * p.q_stride_h + ch * 8;
+            uint16_t e[8];
+            for (int j = 0; j < 8; ++j) e[j] = reinterpret_cast<const uint16_t*>(src)[j];
+            v = make_uint4(e[0] | uint32_t(e[1]) << 16, e[2] | uint32_t(e[3]) << 16, e[4] | uint32_t(e[5]) << 16,
+                           e[6] | uint32_t(e[7]) << 16);
+          }
+          *reinterpret_cast<uint4*>(sm.q[ch / 8] + chunk_at(h, ch % 8)) = v;
+        }
+        fence_proxy_async();
+      }
+      named_sync(1, 128);
+
+      float m_run[kNT][2], l_part[kNT][2];
+#pragma unroll
+      for (int n = 0; n < kNT; ++n)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) m_run[n][e] = -INFINITY, l_part[n][e] = 0.f;
+      float o[kVTiles][N / 2];
+#pragma unroll
+      for (int mt = 0; mt < kVTiles; ++mt)
+#pragma unroll
+        for (int j = 0; j < N / 2; ++j) o[mt][j] = 0.f;
+
+      for (int blk = block_begin; blk < block_end; ++blk, ++block_count) {
+        const int buf = block_count & 1;
+        mbar_wait(&sm.full[buf], (block_count / 2) & 1);
+
+        float sc[N / 2];
+        small_qk<__nv_bfloat16, N, kTiles>(sm.k[buf], sm.q, sc);
+        const uint8_t* valid = sm.valid[buf];
+        small_mask_max<N>(sc, scale_log2, [&](int key, int) { return valid[key] != 0; }, sm.warp_max, warp, lane);
+        named_sync(1, 128);
+        small_softmax<__nv_bfloat16, N>(sc, sm.warp_max, m_run, l_part, o, sm.p, warp, lane);
+        named_sync(1, 128);  // P complete; every thread has read warp_max
+        small_pv<__nv_bfloat16, N>(sm.k[buf], sm.p, o);
+        // The buffer (and its validity flags) go back to the producer.
+        asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(&sm.empty[buf])) : "memory");
+      }
+
+      // ---- epilogue ----------------------------------------------------------------------------
+      small_row_sums<N>(l_part, sm.warp_sum, warp, lane);
+      named_sync(1, 128);
+#pragma unroll
+      for (int n = 0; n < kNT; ++n)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int h = 8 * n + 2 * t4 + e;
+          if (h >= p.h_q) continue;
+          const float l = sm.warp_sum[0][h] + sm.warp_sum[1][h] + sm.warp_sum[2][h] + sm.warp_sum[3][h];
+          const float m = m_run[n][e];
+          if (pc.is_split) {
+            if (pc.split_index < 0 || pc.split_index >= p.b + p.split.num_sm_parts) continue;
+            const int64_t row = (int64_t(pc.split_index) * p.s_q + s) * p.h_q + h;
+            const float inv = l > 0.f ? 1.f / l : 0.f;
+            float* dst = p.split.o_accum + row * kHeadDimV;
+#pragma unroll
+            for (int mt = 0; mt < kVTiles; ++mt)
+#pragma unroll
+              for (int hk = 0; hk < 2; ++hk) dst[mt * 64 + key_lo + 8 * hk] = o[mt][4 * n + 2 * hk + e] * inv;
+            if (warp == 0 && g == 0) p.split.lse_accum[row] = l > 0.f ? log2f(l) + m : -INFINITY;
+          } else {
+            const float sink = p.attn_sink ? p.attn_sink[h] : -INFINITY;
+            const float inv = l > 0.f ? 1.f / (l + exp2f(sink * decode_io::kLog2e - m)) : 0.f;
+            auto* dst = static_cast<__nv_bfloat16*>(p.o.out) + i * p.o.out_stride_b + s * p.o.out_stride_s +
+                        h * p.o.out_stride_h;
+#pragma unroll
+            for (int mt = 0; mt < kVTiles; ++mt)
+#pragma unroll
+              for (int hk = 0; hk < 2; ++hk)
+                dst[mt * 64 + key_lo + 8 * hk] = __float2bfloat16_rn(o[mt][4 * n + 2 * hk + e] * inv);
+            if (warp == 0 && g == 0)
+              p.o.lse[i * p.o.lse_stride_b + s * p.o.lse_stride_s + h * p.o.lse_stride_h] =
+                  l > 0.f ? (log2f(l) + m) * decode_io::kLn2 : INFINITY;
+          }
+        }
+    }
+  }
+#endif  // MLA_SM90A_DEVICE
+}
+
+template <KvFormat F, int N>
+cudaError_t launch(const SparseDecodeParams& p, cudaStream_t stream) {
+  constexpr int smem = int(sizeof(Smem<Format<F>::kD, N>)) + 1024;  // + alignment of the tiles to 1024 bytes
+  static_assert(smem <= 227 * 1024, "both key buffers, Q and P fit the 227 KB an sm90 block may use");
+  const cudaError_t err =
+      raise_smem_limit_once<sparse_decode_small_kernel<F, N>>(smem, "the sm90 small-heads sparse kernel");
+  if (err != cudaSuccess) return err;
+  return launch_dependent(sparse_decode_small_kernel<F, N>, dim3(1, unsigned(p.s_q), unsigned(p.split.num_sm_parts)),
+                          kThreads, smem, stream, p);
+}
+
+}  // namespace sm90_sparse_small
+
+cudaError_t sm90_sparse_decode_small(const SparseDecodeParams& p, cudaStream_t stream) {
+  if (p.h_q > 32) return cudaErrorInvalidValue;  // the dispatch never sends more (kFeatHeadsOver32)
+  using namespace sm90_sparse_small;
+  cudaError_t err;
+  if (p.format == KvFormat::kV32)
+    err = p.h_q <= 16 ? launch<KvFormat::kV32, 16>(p, stream) : launch<KvFormat::kV32, 32>(p, stream);
+  else
+    err = p.h_q <= 16 ? launch<KvFormat::kModel1, 16>(p, stream) : launch<KvFormat::kModel1, 32>(p, stream);
+  if (err != cudaSuccess) return err;
+  CombineParams c;
+  c.b = p.b, c.s_q = p.s_q, c.h_q = p.h_q;
+  c.split = p.split;
+  c.o = p.o;
+  c.attn_sink = p.attn_sink;
+  return combine(c, stream, /*pdl=*/true);
+}
+
+}  // namespace mla::cuda

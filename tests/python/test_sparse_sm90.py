@@ -1,0 +1,38 @@
+"""Sparse FP8 decode with few heads (at most 32: the Hopper small-heads kernel on sm90 by default)
+and, for the same inputs, on the portable kernel forced through MLA_KERNELS_IMPL=portable: each
+against the float64 reference, both formats, every feature (sink, topk_length, extra cache with
+its own page size, extra_topk_length, invalid and duplicate indices, lonely rows)."""
+
+import pytest
+import torch
+
+import reference as R
+from test_sparse_decode import build, check_sparse
+
+pytestmark = pytest.mark.cuda
+
+IMPLS = ["default", "portable"]
+
+# (fmt, b, s_q, h_q, s_k, topk, page, topk_length, extra, sink, dup, padded)
+CASES = {
+    "v32_h16_topk200_tl_extra": ("v32", 3, 2, 16, 400, 200, 64, True, (150, 70, 16, True), "mixed", 0.05, True),
+    "v32_h32_topk2048": ("v32", 2, 1, 32, 4096, 2048, 64, False, None, "finite", 0.0, False),
+    "v32_h5_pg1": ("v32", 2, 3, 5, 90, 65, 1, True, None, "none", 0.1, False),
+    "model1_h16_extra_pg256": ("model1", 2, 2, 16, 300, 128, 256, True, (200, 1024, 64, True), "finite", 0.0, True),
+    "model1_h32_pg16": ("model1", 3, 1, 32, 500, 300, 16, False, (64, 7, 2, False), "neginf", 0.1, False),
+    "model1_h1_topk1": ("model1", 2, 1, 1, 100, 1, 64, False, None, "posinf", 0.0, False),
+}
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
+def test_sparse_few_heads(case, impl, monkeypatch):
+    fmt, b, s_q, h_q, s_k, topk, page, tl, extra, sink_mode, dup, padded = CASES[case]
+    if impl == "portable":
+        monkeypatch.setenv("MLA_KERNELS_IMPL", "portable")
+    else:
+        monkeypatch.delenv("MLA_KERNELS_IMPL", raising=False)
+    main, ex = build(fmt, b, s_q, s_k, topk, page, tl=tl, extra=extra, dup=dup, padded=padded, device="cuda",
+                     all_invalid_rows=[(0, 0)])
+    q = R.rand((b, s_q, h_q, R.FORMATS[fmt].d))
+    check_sparse(q, main, ex, R.make_sink(h_q, sink_mode), 1.0, device="cuda")
