@@ -21,7 +21,6 @@ constexpr int kThreads = kHeadsPerCta * kWarpSize;
 constexpr int kVecPerLane = kHeadDimV / 4 / kWarpSize;  // float4 columns per lane
 static_assert(kHeadDimV % (4 * kWarpSize) == 0, "each lane owns whole float4 columns of d_v");
 
-
 __device__ __forceinline__ float warp_max(float v) {
   for (int o = kWarpSize / 2; o > 0; o /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
   return v;

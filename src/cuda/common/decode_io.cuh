@@ -14,7 +14,6 @@
 
 namespace mla::cuda::decode_io {
 
-
 __device__ __forceinline__ PlanRow load_row(const int32_t* tsm, int part) {
   return reinterpret_cast<const PlanRow*>(tsm)[part];
 }

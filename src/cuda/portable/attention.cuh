@@ -58,7 +58,6 @@ static_assert(kKeyHalves * 16 == kStageKeys, "the key halves of the S warps cove
 static_assert(kSoftmaxKeys == 2, "the softmax writes P as one pair of keys per thread");
 static_assert(kDv % (kWarps * 16) == 0, "each warp owns whole 16-column pairs of O");
 
-
 template <int D, typename T>
 struct SharedStorage {
   static_assert(D % (kDimQuarters * 16) == 0, "each S warp owns whole k16 steps of the head dim");

@@ -55,22 +55,33 @@ __device__ __forceinline__ void stage_q(const DenseDecodeParams& p, int req, int
   const T* q = static_cast<const T*>(p.q);
   constexpr int kChunks = D / 8;  // 16-byte chunks per row
   const bool vec = ((reinterpret_cast<uintptr_t>(q) | (p.q_stride_b | p.q_stride_s | p.q_stride_h) * 2) & 15) == 0;
-  for (int c = tid; c < kRows * kChunks; c += threads) {
-    const int r = c / kChunks, ch = c % kChunks, row = row_base + r;
-    uint4 v = make_uint4(0, 0, 0, 0);
-    if (row < num_rows) {
-      const int s = row / hpg, h = group * hpg + row % hpg;
+  if (vec) {
+    // Every chunk's copy in flight at once (a load-then-store loop would expose the latency of
+    // each); rows past the call's rows are zero-filled.
+#pragma unroll 1
+    for (int c = tid; c < kRows * kChunks; c += threads) {
+      const int r = c / kChunks, ch = c % kChunks, row = row_base + r;
+      const bool live = row < num_rows;
+      const int s = live ? row / hpg : 0, h = live ? group * hpg + row % hpg : 0;
       const T* src = q + req * p.q_stride_b + s * p.q_stride_s + h * p.q_stride_h + ch * 8;
-      if (vec) {
-        v = __ldg(reinterpret_cast<const uint4*>(src));
-      } else {
+      cp_async_16(q_tiles + (ch / 8) * kRows * 128 + r * 128 + (((ch % 8) ^ (r % 8)) << 4), src, live ? 16u : 0u);
+    }
+    cp_async_wait_all();
+  } else {
+    for (int c = tid; c < kRows * kChunks; c += threads) {
+      const int r = c / kChunks, ch = c % kChunks, row = row_base + r;
+      uint4 v = make_uint4(0, 0, 0, 0);
+      if (row < num_rows) {
+        const int s = row / hpg, h = group * hpg + row % hpg;
+        const uint16_t* src =
+            reinterpret_cast<const uint16_t*>(q + req * p.q_stride_b + s * p.q_stride_s + h * p.q_stride_h + ch * 8);
         uint16_t e[8];
-        for (int j = 0; j < 8; ++j) e[j] = reinterpret_cast<const uint16_t*>(src)[j];
+        for (int j = 0; j < 8; ++j) e[j] = src[j];
         v = make_uint4(e[0] | uint32_t(e[1]) << 16, e[2] | uint32_t(e[3]) << 16, e[4] | uint32_t(e[5]) << 16,
                        e[6] | uint32_t(e[7]) << 16);
       }
+      *reinterpret_cast<uint4*>(q_tiles + (ch / 8) * kRows * 128 + r * 128 + (((ch % 8) ^ (r % 8)) << 4)) = v;
     }
-    *reinterpret_cast<uint4*>(q_tiles + (ch / 8) * kRows * 128 + r * 128 + (((ch % 8) ^ (r % 8)) << 4)) = v;
   }
   fence_proxy_async();
 }

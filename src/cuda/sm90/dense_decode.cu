@@ -144,17 +144,20 @@ __device__ __forceinline__ void issue_tiles(Smem<D>& sm, const Args& a, int buf,
 }
 
 // Issues S (+)= Q K^T over tiles [t0, t1) of buffer `buf`, each tile once its TMA has landed, as
-// one wgmma group (the first tile of a block overwrites S).
-template <typename T, int D>
+// one wgmma group (the first tile of a block overwrites S). kLateFirstHalf: visit the tiles from the
+// V tile 4 on and tiles 0-3 (then the RoPE tile) last, which is the order they are reloaded in K1.
+template <typename T, int D, bool kLateFirstHalf = false>
 __device__ __forceinline__ void qk_issue(Smem<D>& sm, int buf, uint32_t parity, int t0, int t1, float (&s)[32]) {
   wgmma_fence();
 #pragma unroll
-  for (int t = t0; t < t1; ++t) {
+  for (int i = t0; i < t1; ++i) {
+    int t = i;
+    if constexpr (kLateFirstHalf) t = i < kVTilesPerWg ? i + kVTilesPerWg : i < 2 * kVTilesPerWg ? i - kVTilesPerWg : i;
     mbar_wait(&sm.full[buf][t], parity);
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk)
       wgmma_ss_k<T>(s, smem_desc(sm.q[t] + kk * 32, 0, 1024), smem_desc(sm.k[buf][t] + kk * 32, 0, 1024),
-                    t > 0 || kk > 0);
+                    i > t0 || kk > 0 || t0 > 0);
   }
   wgmma_commit();
 }
@@ -425,7 +428,7 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_kernel(const __grid_
         // K0's V0R tiles (and, at D = 576, P0 in its RoPE tile) are free.
         if (wtid == 0 && next0) issue_tiles(sm, args, 0, nxt0, group, kVTilesPerWg, kTiles, policy);
         if (next1) {
-          qk_issue<T, D>(sm, 1, parity(1, jp + 1), 0, kTiles, s);
+          qk_issue<T, D, true>(sm, 1, parity(1, jp + 1), 0, kTiles, s);
           wgmma_wait<0>();
           fence_regs(s);
         }

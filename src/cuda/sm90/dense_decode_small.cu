@@ -99,7 +99,7 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_small_kernel(const _
   const int group = blockIdx.y, part = blockIdx.z;
   const int hpg = p.h_q / p.h_k, num_rows = p.s_q * hpg;
   const DecodePlanParams plan = dense_plan_params(p);
-  const float scale_log2 = p.softmax_scale * decode_io::kLog2e;
+  const float scale_log2 = p.softmax_scale * kLog2e;
   const uint64_t policy = evict_first_policy();
   // This thread's accumulator coordinates: keys (S^T) or dims within a 64-dim tile (O^T)
   // 16 warp + g and + 8; rows (columns) 8 n + 2 t4 and + 1 for n < kNT.
@@ -159,7 +159,7 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_small_kernel(const _
       // ---- S^T = K Q^T (all tiles first: a wait inside a wgmma chain serialises it) -------------
       float sc[N / 2];
       for (int t = 0; t < kTiles; ++t) mbar_wait(&sm.full[buf][t], parity);
-      small_qk<T, N, kTiles>(sm.k[buf], sm.q, sc);
+      small_qk<T, N, kTiles>([&](int t) { return sm.k[buf][t]; }, sm.q, sc);
       // The RoPE tile (D = 576) only feeds S: reload it with the block after next now.
       if (tid == 0 && reload && kTiles > kVTiles) issue_tiles(sm, args, buf, pg_reload, group, kVTiles, kTiles, policy);
 
@@ -183,7 +183,7 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_small_kernel(const _
       // ---- P = exp2(S - m) as P [row][key], O^T rescaled, then O^T += V^T P^T --------------------
       small_softmax<T, N>(sc, sm.warp_max, m_run, l_part, o, sm.p, warp, lane);
       __syncthreads();  // P complete; every thread has read warp_max
-      small_pv<T, N>(sm.k[buf], sm.p, o);
+      small_pv<T, N>([&](int t) { return sm.k[buf][t]; }, sm.p, o);
       if (tid == 0 && reload) issue_tiles(sm, args, buf, pg_reload, group, 0, kVTiles, policy);
       pg_cur = pg_next;
       pg_next = pg_reload;
@@ -225,7 +225,7 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_small_kernel(const _
             }
           if (warp == 0 && g == 0)
             p.o.lse[i * p.o.lse_stride_b + s * p.o.lse_stride_s + h * p.o.lse_stride_h] =
-                l > 0.f ? (log2f(l) + m) * decode_io::kLn2 : INFINITY;
+                l > 0.f ? (log2f(l) + m) * kLn2 : INFINITY;
         }
       }
   }

@@ -37,15 +37,15 @@ __device__ __forceinline__ int small_swz(int r, int c) { return r * 128 + ((((c 
 
 #if defined(MLA_SM90A_DEVICE)
 
-template <typename T, int N, int kTiles>
-__device__ __forceinline__ void small_qk(const uint8_t (*k)[kSmallTileBytes], const uint8_t (*q)[N * 128],
-                                         float (&s)[N / 2]) {
+// k_tile(t): the shared-memory address of key tile t (0 <= t < kTiles).
+template <typename T, int N, int kTiles, typename KTile>
+__device__ __forceinline__ void small_qk(const KTile& k_tile, const uint8_t (*q)[N * 128], float (&s)[N / 2]) {
   wgmma_fence();
 #pragma unroll
   for (int t = 0; t < kTiles; ++t)
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk)
-      wgmma_ss_small<T, N, 0>(s, smem_desc(k[t] + kk * 32, 0, 1024), smem_desc(q[t] + kk * 32, 0, 1024),
+      wgmma_ss_small<T, N, 0>(s, smem_desc(k_tile(t) + kk * 32, 0, 1024), smem_desc(q[t] + kk * 32, 0, 1024),
                               t > 0 || kk > 0);
   wgmma_commit();
   wgmma_wait<0>();
@@ -119,15 +119,14 @@ __device__ __forceinline__ void small_softmax(float (&s)[N / 2], const float (*w
   fence_proxy_async();  // P is read by wgmma next
 }
 
-template <typename T, int N>
-__device__ __forceinline__ void small_pv(const uint8_t (*k)[kSmallTileBytes], const uint8_t* p,
-                                         float (&o)[kSmallVTiles][N / 2]) {
+template <typename T, int N, typename KTile>
+__device__ __forceinline__ void small_pv(const KTile& k_tile, const uint8_t* p, float (&o)[kSmallVTiles][N / 2]) {
   wgmma_fence();
 #pragma unroll
   for (int mt = 0; mt < kSmallVTiles; ++mt)
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk)
-      wgmma_ss_small<T, N, 1>(o[mt], smem_desc(k[mt] + kk * 2048, kSmallTileBytes, 1024),
+      wgmma_ss_small<T, N, 1>(o[mt], smem_desc(k_tile(mt) + kk * 2048, kSmallTileBytes, 1024),
                               smem_desc(p + kk * 32, 0, 1024), 1);
   wgmma_commit();
   wgmma_wait<0>();

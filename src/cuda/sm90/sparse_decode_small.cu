@@ -210,7 +210,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_small_kernel(const 
     }
   } else {
     // ---- consumer: S^T, softmax, O^T -----------------------------------------------------------
-    const float scale_log2 = p.softmax_scale * decode_io::kLog2e;
+    const float scale_log2 = p.softmax_scale * kLog2e;
     const int key_lo = warp * 16 + g;
     for (int k = 0; k < num_pieces; ++k) {
       const PlanPiece pc = decode_io::piece(p.split, plan, part, k);
@@ -255,13 +255,13 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_small_kernel(const 
         mbar_wait(&sm.full[buf], (block_count / 2) & 1);
 
         float sc[N / 2];
-        small_qk<__nv_bfloat16, N, kTiles>(sm.k[buf], sm.q, sc);
+        small_qk<__nv_bfloat16, N, kTiles>([&](int t) { return sm.k[buf][t]; }, sm.q, sc);
         const uint8_t* valid = sm.valid[buf];
         small_mask_max<N>(sc, scale_log2, [&](int key, int) { return valid[key] != 0; }, sm.warp_max, warp, lane);
         named_sync(1, 128);
         small_softmax<__nv_bfloat16, N>(sc, sm.warp_max, m_run, l_part, o, sm.p, warp, lane);
         named_sync(1, 128);  // P complete; every thread has read warp_max
-        small_pv<__nv_bfloat16, N>(sm.k[buf], sm.p, o);
+        small_pv<__nv_bfloat16, N>([&](int t) { return sm.k[buf][t]; }, sm.p, o);
         // The buffer (and its validity flags) go back to the producer.
         asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(&sm.empty[buf])) : "memory");
       }
@@ -289,7 +289,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_small_kernel(const 
             if (warp == 0 && g == 0) p.split.lse_accum[row] = l > 0.f ? log2f(l) + m : -INFINITY;
           } else {
             const float sink = p.attn_sink ? p.attn_sink[h] : -INFINITY;
-            const float inv = l > 0.f ? 1.f / (l + exp2f(sink * decode_io::kLog2e - m)) : 0.f;
+            const float inv = l > 0.f ? 1.f / (l + exp2f(sink * kLog2e - m)) : 0.f;
             auto* dst = static_cast<__nv_bfloat16*>(p.o.out) + i * p.o.out_stride_b + s * p.o.out_stride_s +
                         h * p.o.out_stride_h;
 #pragma unroll
@@ -299,7 +299,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_small_kernel(const 
                 dst[mt * 64 + key_lo + 8 * hk] = __float2bfloat16_rn(o[mt][4 * n + 2 * hk + e] * inv);
             if (warp == 0 && g == 0)
               p.o.lse[i * p.o.lse_stride_b + s * p.o.lse_stride_s + h * p.o.lse_stride_h] =
-                  l > 0.f ? (log2f(l) + m) * decode_io::kLn2 : INFINITY;
+                  l > 0.f ? (log2f(l) + m) * kLn2 : INFINITY;
           }
         }
     }
