@@ -413,16 +413,17 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_kernel(const __grid_
             for (int e = 0; e < 4; ++e)
               *reinterpret_cast<uint32_t*>(p1 + swz(rr[e % 2], kk * 16 + (e / 2) * 8 + 2 * t4)) = pa[kk][e];
           fence_proxy_async();
+          // K1's V1R tiles are free once O_R += P1 V1R is done (usually by now): reload them before
+          // waiting for WG0, so that they land before this warpgroup's next S needs them.
+          wgmma_wait<0>();
+          fence_regs(o);
+          if (wtid == 0 && next1) issue_tiles(sm, args, 1, nxt1, group, kVTilesPerWg, 2 * kVTilesPerWg, policy);
         }
         named_sync(kBarP0, kThreads);
         for (int t = kVTilesPerWg; t < 2 * kVTilesPerWg; ++t) mbar_wait(&sm.full[0][t], parity(0, jp));
         if (valid0 < kBlockN) zero_v_tail(sm, 0, kVTilesPerWg, valid0, wtid, kBarWg1);
         pv_ss<T, D>(sm, sm.p(0), 0, kVTilesPerWg, o);
         named_arrive(kBarV0RIssued, kThreads);
-        if (has1) {
-          wgmma_wait<1>();
-          if (wtid == 0 && next1) issue_tiles(sm, args, 1, nxt1, group, kVTilesPerWg, 2 * kVTilesPerWg, policy);
-        }
         wgmma_wait<0>();
         fence_regs(o);
         // K0's V0R tiles (and, at D = 576, P0 in its RoPE tile) are free.
