@@ -31,13 +31,14 @@
 // Tile sizes: BLOCK_M 64 rows, 64 keys per block, 64 x 64 TMA tiles (128-byte swizzle), two key
 // buffers; wgmma m64n64k16 (S, both operands in shared memory) and m64n256k16 (P V, P from
 // registers for the own block, from shared memory for the other warpgroup's).
-// Reached on an H200 (bench/RESULTS.md, whole API call): dense b=128 h_q=128 s_k=4096 varlen
-// 421 us = 358 TFLOPS (46% of the matmul ceiling; FlashMLA 255-265 us); h_q=16 s_k=8192 390.5 us
-// = 3105 GB/s (72.7% of copy; FlashMLA 284-289 us); s_q=2 causal 1166 us = 451 TFLOPS. Where the
-// time goes: a pair of blocks takes about 6.5 us against FlashMLA's 4.4 us with the same tensor
-// work, and the loop with both GEMMs removed still takes 90% of the time, so the key loads (two
-// buffers, each tile reloaded only once it is free) and the per-pair synchronisation, not the
-// matrix units, are the limit.
+// Reached on an H200 (bench/RESULTS.md, whole API call, FlashMLA timed in the same run): dense
+// b=128 h_q=128 s_k=4096 varlen 356.0 us = 388 TFLOPS (50% of the matmul ceiling; FlashMLA 258.5 us);
+// s_q=2 causal s_k=8192 1171.7 us = 466 TFLOPS (FlashMLA 860-923 us); b=2 s_k=65536 118.8 us
+// (FlashMLA 87.7); b=8 s_k=1024 43.5 us (34.1). (h_q=16 goes to the small-rows kernel; here it
+// takes 364 us.) Where the time goes (ncu stall samples at h_q=128): each warpgroup's next S waits
+// for its first reloaded tiles (~10%: a freed tile is reloaded only one product before it is
+// needed), the four cross-warpgroup barriers per pair (~12%), the wgmma issue itself; a pair of
+// blocks takes ~5.6 us against FlashMLA's ~4.2 us with the same tensor work.
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <cuda_runtime.h>
@@ -62,7 +63,7 @@ constexpr int kBlockM = 64;          // query rows per CTA
 constexpr int kBlockN = 64;          // keys per block = page size = plan block
 constexpr int kTileCols = 64;        // columns of a 64 x 64 tile (128 bytes of 16-bit elements)
 constexpr int kTileBytes = kBlockN * 128;
-constexpr int kVTilesPerWg = 4;      // each warpgroup owns 256 output columns = 4 tiles
+[[maybe_unused]] constexpr int kVTilesPerWg = 4;      // each warpgroup owns 256 output columns = 4 tiles
 constexpr int kONTiles = 32;         // mma n8 tiles in a warpgroup's 64 x 256 output
 static_assert(kBlockN == kPlanBlockSize, "one key block per plan block");
 

@@ -18,7 +18,11 @@
 //   * epilogue: O^T / (l + exp2(sink - m)) to out / lse for whole pieces, fp32 partials for split
 //     ones (the combine kernel applies the sink).
 // Tile sizes: 64-token blocks, N = 16 or 32 heads, two bf16 key buffers (144 KB at d_qk 576) + Q.
-// Not yet measured on a GPU.
+// Reached on an H200 (bench/RESULTS.md, FlashMLA padded to 64 heads in the same run): V3.2 b=128
+// h_q=16 topk 2048 189-190 us (FlashMLA 153-154 us); b=64 h_q=32 137-140 us (109-110 us); MODEL1
+// b=128 h_q=16 116-118 us (105-106 us). The limit is the producer: one block of records in flight
+// per SM (ncu: the consumer waits on `full` for 29% of the samples, the producer on its loads);
+// reading the next block's indices a block earlier changed nothing.
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -42,7 +46,7 @@ using namespace sm90;
 constexpr int kThreads = 256;  // warpgroup 0 consumes, warpgroup 1 produces
 constexpr int kBlockN = 64;    // tokens per block = plan block = wgmma M of S^T
 constexpr int kTileBytes = kBlockN * 128;
-constexpr int kVTiles = 8;     // d_v 512
+[[maybe_unused]] constexpr int kVTiles = 8;  // d_v 512
 static_assert(kBlockN == kPlanBlockSize, "one token block per plan block");
 static_assert(kThreads == 2 * 128 && 2 * kBlockN == 128, "two producer threads per token");
 
