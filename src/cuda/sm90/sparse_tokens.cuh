@@ -43,22 +43,24 @@ __device__ __forceinline__ TokenRef locate_token(const SparseDecodeParams& p, co
   return {src.cache, slot < src.len ? int64_t(src.indices[slot]) : int64_t(-1)};
 }
 
-// Part `part` of kParts of a token's record as loaded: NoPE dims [part, part + 1) * kNope / kParts
-// in 16-dim chunks, RoPE dims [part, part + 1) * 64 / kParts in 8-dim chunks, and the scales
-// those NoPE dims need (V3.2: the float32 of each 128-dim tile of the part; MODEL1: all eight
-// UE8M0 bytes).
+// Part `part` of kParts of a token's record as loaded. The parts interleave by 16-byte chunk
+// (chunk c of the part is chunk c * kParts + part of the record), so the kParts threads of a token
+// read kParts x 16 contiguous bytes per load: NoPE chunks of 16 e4m3 dims, RoPE chunks of 8 bf16
+// dims, and all the token's scales (V3.2: four float32, one per 128-dim tile; MODEL1: eight UE8M0
+// bytes, one per 64-dim tile).
 template <KvFormat F, int kParts>
 struct TokenPart {
   using Fm = SparseFormat<F>;
   static constexpr int kNopeChunks = Fm::kNope / kParts / 16;
   static constexpr int kRopeChunks = 8 / kParts;
-  static constexpr int kTilesPerPart = Fm::kV32 ? 4 / kParts : 0;  // V3.2 scale tiles per part
   static_assert(Fm::kNope % (kParts * 16) == 0 && 8 % kParts == 0, "parts of whole chunks");
-  static_assert(!Fm::kV32 || (kTilesPerPart >= 1 && kTilesPerPart <= 2), "one or two V3.2 scales per part");
+  // A part's chunk c lies in scale tile c * kParts * 16 / kScaleTile whatever the part: the kParts
+  // chunks c * kParts .. + kParts - 1 never straddle a tile.
+  static_assert((Fm::kScaleTile / 16) % kParts == 0, "interleaved chunks stay inside their scale tile");
   bool ok;
   uint4 nope[kNopeChunks];
   uint4 rope[kRopeChunks];
-  uint32_t scales[2];
+  uint32_t scales[Fm::kV32 ? 4 : 2];
 };
 
 // Loads `part` of the token `ref` names. Indices outside the cache are invalid: nothing is read.
@@ -70,29 +72,26 @@ __device__ __forceinline__ TokenPart<F, kParts> load_token_part(const TokenRef& 
   const SparseKvCache& cache = *ref.cache;
   const int64_t tok = ref.tok;
   r.ok = sparse_token_in_cache(cache, tok);
-  r.scales[0] = r.scales[1] = 0;
-  if (!r.ok) return r;
+  if (!r.ok) {
+    for (uint32_t& v : r.scales) v = 0;
+    return r;
+  }
   const uint8_t* block = cache.data + (tok / cache.page_block_size) * cache.stride_block;
   const int off = int(tok % cache.page_block_size);
   const uint8_t* rec = block + int64_t(off) * Fm::kRecordBytes;
 #pragma unroll
   for (int c = 0; c < TP::kNopeChunks; ++c) {
-    const uint8_t* a = rec + (part * TP::kNopeChunks + c) * 16;
+    const uint8_t* a = rec + (c * kParts + part) * 16;
     r.nope[c] = Fm::kV32 ? __ldg(reinterpret_cast<const uint4*>(a)) : fp8::load16_align8(a);
   }
 #pragma unroll
   for (int c = 0; c < TP::kRopeChunks; ++c) {
-    const uint8_t* a = rec + Fm::kRopeOffset + (part * TP::kRopeChunks + c) * 16;
+    const uint8_t* a = rec + Fm::kRopeOffset + (c * kParts + part) * 16;
     r.rope[c] = Fm::kV32 ? __ldg(reinterpret_cast<const uint4*>(a)) : fp8::load16_align8(a);
   }
   if constexpr (Fm::kV32) {
-    const uint8_t* sc = rec + Fm::kNope + part * TP::kTilesPerPart * 4;
-    if constexpr (TP::kTilesPerPart == 2) {
-      const uint2 v = __ldg(reinterpret_cast<const uint2*>(sc));
-      r.scales[0] = v.x, r.scales[1] = v.y;
-    } else {
-      r.scales[0] = __ldg(reinterpret_cast<const uint32_t*>(sc));
-    }
+    const uint4 v = __ldg(reinterpret_cast<const uint4*>(rec + Fm::kNope));
+    r.scales[0] = v.x, r.scales[1] = v.y, r.scales[2] = v.z, r.scales[3] = v.w;
   } else {
     const uint2 v =
         __ldg(reinterpret_cast<const uint2*>(block + int64_t(cache.page_block_size) * 576 + int64_t(off) * 8));
@@ -111,12 +110,12 @@ __device__ __forceinline__ void store_token_part(const TokenPart<F, kParts>& r, 
   const uint4 zero = make_uint4(0, 0, 0, 0);
 #pragma unroll
   for (int c = 0; c < TP::kNopeChunks; ++c) {
-    const int d = (part * TP::kNopeChunks + c) * 16;  // inside one scale tile
+    const int d = (c * kParts + part) * 16;
     float scale;
     if constexpr (Fm::kV32) {
-      scale = __uint_as_float(r.scales[c * 16 / Fm::kScaleTile]);  // the part starts at a tile boundary
+      scale = __uint_as_float(r.scales[c * kParts * 16 / Fm::kScaleTile]);
     } else {
-      const int tile = d / Fm::kScaleTile;
+      const int tile = c * kParts * 16 / Fm::kScaleTile;
       scale = fp8::ue8m0(uint8_t((tile < 4 ? r.scales[0] >> (8 * tile) : r.scales[1] >> (8 * (tile - 4))) & 0xff));
     }
     uint8_t* tile_base = tiles[d / 64];
@@ -128,7 +127,7 @@ __device__ __forceinline__ void store_token_part(const TokenPart<F, kParts>& r, 
   }
 #pragma unroll
   for (int c = 0; c < TP::kRopeChunks; ++c) {
-    const int d = Fm::kNope + (part * TP::kRopeChunks + c) * 8;
+    const int d = Fm::kNope + (c * kParts + part) * 8;
     *reinterpret_cast<uint4*>(tiles[d / 64] + sparse_chunk_at(t, (d % 64) / 8)) = r.ok ? r.rope[c] : zero;
   }
 }
