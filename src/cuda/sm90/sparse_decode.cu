@@ -134,7 +134,6 @@ __device__ __forceinline__ void consume(const SparseDecodeParams& p, Smem<Sparse
   for (int k = 0; k < num_pieces; ++k) {
     const PlanPiece pc = decode_io::piece(p.split, plan, part, k);
     const int i = __shfl_sync(0xffffffffu, pc.req, 0);
-    const int block_begin = __shfl_sync(0xffffffffu, pc.block_begin, 0);
     const int n_blocks = __shfl_sync(0xffffffffu, max(0, pc.block_end - pc.block_begin), 0);
 
     float o[128];
