@@ -34,7 +34,7 @@ constexpr uint32_t kPrefillAll = kFeatBF16 | kFeatHeadDim576 | kFeatHeadDim512 |
 constexpr uint32_t kDenseSm90Small =
     kFeatBF16 | kFeatFP16 | kFeatHeadDim576 | kFeatHeadDim512 | kFeatCausal | kFeatPageSize64;
 constexpr uint32_t kDenseSm90 = kDenseSm90Small | kAnyRows;
-// Every sparse feature, at most 32 heads (the heads are wgmma's N).
+// Every sparse feature: at most 32 heads with the heads as wgmma's N, more in 64-head tiles.
 constexpr uint32_t kSparseSm90Small = kSparseAll & ~kAnyRows;
 
 const std::vector<Implementation<DenseDecodeParams>> kDense = {
@@ -47,6 +47,7 @@ const std::vector<Implementation<DenseDecodeParams>> kDense = {
 const std::vector<Implementation<SparseDecodeParams>> kSparse = {
 #if defined(MLA_KERNELS_WITH_SM90A)
     {{"sm90_small", OpKind::kSparseDecode, 90, 90, kSparseSm90Small}, sm90_sparse_decode_small},
+    {{"sm90", OpKind::kSparseDecode, 90, 90, kSparseAll}, sm90_sparse_decode},
 #endif
     {{"portable", OpKind::kSparseDecode, 80, kAnyNewer, kSparseAll}, portable_sparse_decode},
 };

@@ -21,5 +21,7 @@ cudaError_t sm90_dense_decode(const DenseDecodeParams& params, cudaStream_t stre
 cudaError_t sm90_dense_decode_small(const DenseDecodeParams& params, cudaStream_t stream);
 // At most 32 heads, both FP8 formats, every sparse feature.
 cudaError_t sm90_sparse_decode_small(const SparseDecodeParams& params, cudaStream_t stream);
+// Any number of heads (64 per CTA), both FP8 formats, every sparse feature.
+cudaError_t sm90_sparse_decode(const SparseDecodeParams& params, cudaStream_t stream);
 
 }  // namespace mla::cuda

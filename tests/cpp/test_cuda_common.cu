@@ -188,16 +188,15 @@ TEST(CudaDispatch, DenseDecodePicksTheHopperKernelOnSm90) {
   p.dtype = DType::kBF16, p.page_block_size = 16;
   EXPECT_STREQ(cuda::implementation_name(OpKind::kDenseDecode, required_features(p)), "portable");
   p.page_block_size = 64;
-  // Sparse decode: at most 32 heads run the small-heads kernel, more the portable one.
+  // Sparse decode: at most 32 heads run the small-heads kernel, more the 64-head-tile one.
   SparseDecodeParams sp;
   sp.b = 4, sp.s_q = 1, sp.topk = 2048, sp.format = KvFormat::kV32;
-  for (int h_q : {1, 16, 32}) {
+  for (int h_q : {1, 16, 32, 48, 64, 128}) {
     sp.h_q = h_q;
-    EXPECT_STREQ(cuda::implementation_name(OpKind::kSparseDecode, required_features(sp)), hopper ? "sm90_small" : "portable")
+    EXPECT_STREQ(cuda::implementation_name(OpKind::kSparseDecode, required_features(sp)),
+                 !hopper ? "portable" : h_q <= 32 ? "sm90_small" : "sm90")
         << h_q << " heads";
   }
-  sp.h_q = 64;
-  EXPECT_STREQ(cuda::implementation_name(OpKind::kSparseDecode, required_features(sp)), "portable");
   ASSERT_EQ(setenv("MLA_KERNELS_IMPL", "portable", 1), 0);
   EXPECT_STREQ(cuda::implementation_name(OpKind::kDenseDecode, required_features(p)), "portable");
   unsetenv("MLA_KERNELS_IMPL");

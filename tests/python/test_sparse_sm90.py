@@ -1,7 +1,9 @@
-"""Sparse FP8 decode with few heads (at most 32: the Hopper small-heads kernel on sm90 by default)
-and, for the same inputs, on the portable kernel forced through MLA_KERNELS_IMPL=portable: each
-against the float64 reference, both formats, every feature (sink, topk_length, extra cache with
-its own page size, extra_topk_length, invalid and duplicate indices, lonely rows)."""
+"""Sparse FP8 decode on the Hopper kernels (on sm90 by default: at most 32 heads the small-heads
+kernel, more the 64-head-tile kernel, including head counts that are not a multiple of 64) and,
+for the same inputs, on the portable kernel forced through MLA_KERNELS_IMPL=portable: each against
+the float64 reference, both formats, every feature (sink, topk_length, extra cache with its own
+page size, extra_topk_length, invalid and duplicate indices, lonely rows, requests split across
+parts)."""
 
 import pytest
 import torch
@@ -21,6 +23,12 @@ CASES = {
     "model1_h16_extra_pg256": ("model1", 2, 2, 16, 300, 128, 256, True, (200, 1024, 64, True), "finite", 0.0, True),
     "model1_h32_pg16": ("model1", 3, 1, 32, 500, 300, 16, False, (64, 7, 2, False), "neginf", 0.1, False),
     "model1_h1_topk1": ("model1", 2, 1, 1, 100, 1, 64, False, None, "posinf", 0.0, False),
+    "v32_h128_topk200_tl_extra": ("v32", 3, 2, 128, 400, 200, 64, True, (150, 70, 16, True), "mixed", 0.05, True),
+    "v32_h64_topk2048": ("v32", 2, 1, 64, 4096, 2048, 64, False, None, "finite", 0.0, False),
+    "v32_h64_pg1": ("v32", 2, 3, 64, 90, 65, 1, True, None, "none", 0.1, False),
+    "model1_h96_extra_pg256": ("model1", 2, 2, 96, 300, 128, 256, True, (200, 1024, 64, True), "finite", 0.0, True),
+    "model1_h48_pg16": ("model1", 3, 1, 48, 500, 300, 16, False, (64, 7, 2, False), "neginf", 0.1, False),
+    "model1_h128_topk2048": ("model1", 1, 2, 128, 8192, 2048, 64, True, None, "mixed", 0.0, False),
 }
 
 

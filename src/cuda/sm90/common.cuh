@@ -45,38 +45,36 @@ __device__ __forceinline__ int dense_page(const DenseDecodeParams& p, const int3
   return pg < 0 || pg >= p.num_blocks ? p.num_blocks : pg;
 }
 
-// Query rows [row_base, row_base + kRows) of KV head `group` of request req into kRows x 64 tiles
-// (tile t at q_tiles + t * kRows * 128, 128-byte swizzle); rows past the call's rows are zero.
-// Ends with the proxy fence; the caller synchronises the threads [0, threads) that wrote.
-template <typename T, int D, int kRows>
-__device__ __forceinline__ void stage_q(const DenseDecodeParams& p, int req, int group, int row_base, uint8_t* q_tiles,
-                                        int tid, int threads) {
-  const int hpg = p.h_q / p.h_k, num_rows = p.s_q * hpg;
-  const T* q = static_cast<const T*>(p.q);
+// kRows rows of D elements into kRows x 64 tiles (tile t at q_tiles + t * kRows * 128, 128-byte
+// swizzle): row_src(r) is row r's first element, or nullptr for a row past the call's rows (zero);
+// row 0 is always live.
+// vec: every row 16-byte aligned. Ends with the proxy fence; the caller synchronises the threads
+// [0, threads) that wrote.
+template <typename T, int D, int kRows, typename RowSrc>
+__device__ __forceinline__ void stage_rows(const RowSrc& row_src, bool vec, uint8_t* q_tiles, int tid, int threads) {
   constexpr int kChunks = D / 8;  // 16-byte chunks per row
-  const bool vec = ((reinterpret_cast<uintptr_t>(q) | (p.q_stride_b | p.q_stride_s | p.q_stride_h) * 2) & 15) == 0;
   if (vec) {
     // Every chunk's copy in flight at once (a load-then-store loop would expose the latency of
-    // each); rows past the call's rows are zero-filled.
+    // each); dead rows are zero-filled.
 #pragma unroll 1
     for (int c = tid; c < kRows * kChunks; c += threads) {
-      const int r = c / kChunks, ch = c % kChunks, row = row_base + r;
-      const bool live = row < num_rows;
-      const int s = live ? row / hpg : 0, h = live ? group * hpg + row % hpg : 0;
-      const T* src = q + req * p.q_stride_b + s * p.q_stride_s + h * p.q_stride_h + ch * 8;
-      cp_async_16(q_tiles + (ch / 8) * kRows * 128 + r * 128 + (((ch % 8) ^ (r % 8)) << 4), src, live ? 16u : 0u);
+      const int r = c / kChunks, ch = c % kChunks;
+      const T* src = row_src(r);
+      // A dead row reads nothing (source size 0) but still names a valid address: row 0's, which
+      // every staged tile has.
+      cp_async_16(q_tiles + (ch / 8) * kRows * 128 + r * 128 + (((ch % 8) ^ (r % 8)) << 4),
+                  src ? src + ch * 8 : row_src(0), src ? 16u : 0u);
     }
     cp_async_wait_all();
   } else {
     for (int c = tid; c < kRows * kChunks; c += threads) {
-      const int r = c / kChunks, ch = c % kChunks, row = row_base + r;
+      const int r = c / kChunks, ch = c % kChunks;
+      const T* src = row_src(r);
       uint4 v = make_uint4(0, 0, 0, 0);
-      if (row < num_rows) {
-        const int s = row / hpg, h = group * hpg + row % hpg;
-        const uint16_t* src =
-            reinterpret_cast<const uint16_t*>(q + req * p.q_stride_b + s * p.q_stride_s + h * p.q_stride_h + ch * 8);
+      if (src) {
+        const uint16_t* e16 = reinterpret_cast<const uint16_t*>(src + ch * 8);
         uint16_t e[8];
-        for (int j = 0; j < 8; ++j) e[j] = src[j];
+        for (int j = 0; j < 8; ++j) e[j] = e16[j];
         v = make_uint4(e[0] | uint32_t(e[1]) << 16, e[2] | uint32_t(e[3]) << 16, e[4] | uint32_t(e[5]) << 16,
                        e[6] | uint32_t(e[7]) << 16);
       }
@@ -84,6 +82,23 @@ __device__ __forceinline__ void stage_q(const DenseDecodeParams& p, int req, int
     }
   }
   fence_proxy_async();
+}
+
+// Query rows [row_base, row_base + kRows) of KV head `group` of request req (row r: token
+// r / (h_q / h_k), head group * h_q / h_k + r % (h_q / h_k)), staged as stage_rows does.
+template <typename T, int D, int kRows>
+__device__ __forceinline__ void stage_q(const DenseDecodeParams& p, int req, int group, int row_base, uint8_t* q_tiles,
+                                        int tid, int threads) {
+  const int hpg = p.h_q / p.h_k, num_rows = p.s_q * hpg;
+  const T* q = static_cast<const T*>(p.q);
+  const bool vec = ((reinterpret_cast<uintptr_t>(q) | (p.q_stride_b | p.q_stride_s | p.q_stride_h) * 2) & 15) == 0;
+  stage_rows<T, D, kRows>(
+      [&](int r) -> const T* {
+        const int row = row_base + r;
+        if (row >= num_rows) return nullptr;
+        return q + req * p.q_stride_b + (row / hpg) * p.q_stride_s + (group * hpg + row % hpg) * p.q_stride_h;
+      },
+      vec, q_tiles, tid, threads);
 }
 
 // Launches kernel<<<grid, threads, smem, stream>>>(args) as a programmatic dependent of the work

@@ -52,6 +52,7 @@
 #include "../implementations.h"
 #include "common.cuh"
 #include "kv_tensor_map.h"
+#include "m64.cuh"
 #include "ptx_sm90.cuh"
 
 namespace mla::cuda {
@@ -64,7 +65,7 @@ constexpr int kBlockN = 64;          // keys per block = page size = plan block
 constexpr int kTileCols = 64;        // columns of a 64 x 64 tile (128 bytes of 16-bit elements)
 constexpr int kTileBytes = kBlockN * 128;
 [[maybe_unused]] constexpr int kVTilesPerWg = 4;      // each warpgroup owns 256 output columns = 4 tiles
-constexpr int kONTiles = 32;         // mma n8 tiles in a warpgroup's 64 x 256 output
+
 static_assert(kBlockN == kPlanBlockSize, "one key block per plan block");
 
 // Named barriers (0 is __syncthreads).
@@ -96,42 +97,6 @@ struct Args {
   CUtensorMap kmap;  // the cache as [num_blocks, page 64, h_k, D] elements, 64 x 64 boxes
   DenseDecodeParams p;
 };
-
-// Byte offset of element (r, c) (c even: a pair) in a 64 x 64 tile with the 128-byte swizzle.
-__device__ __forceinline__ int swz(int r, int c) { return r * 128 + ((((c >> 3) ^ (r & 7))) << 4) + (c & 7) * 2; }
-
-template <typename T>
-__device__ __forceinline__ float2 unpack(uint32_t v) {
-  if constexpr (std::is_same_v<T, __half>) return __half22float2(*reinterpret_cast<const __half2*>(&v));
-  else return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v));
-}
-
-// P (the 64 x 64 fp32 S accumulators after exp2) as the A fragments of four k16 steps of P V: the
-// accumulator layout of n8 tiles 2kk and 2kk + 1 is the A layout of k-step kk.
-template <typename T>
-__device__ __forceinline__ void pack_p(const float (&s)[32], uint32_t (&pa)[4][4]) {
-#pragma unroll
-  for (int kk = 0; kk < 4; ++kk)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) pa[kk][e] = ptx::pack2<T>(s[8 * kk + 2 * e], s[8 * kk + 2 * e + 1]);
-}
-
-// P = exp2(S - m) for this thread's two rows (0 where the row max is still -inf), adding each
-// row's values to sum.
-__device__ __forceinline__ void exponentiate(float (&s)[32], const float (&m)[2], float (&sum)[2]) {
-#pragma unroll
-  for (int n = 0; n < 32; ++n) {
-    const int h = (n % 4) / 2;
-    s[n] = m[h] == -INFINITY ? 0.f : exp2f(s[n] - m[h]);
-    sum[h] += s[n];
-  }
-}
-
-// Rescales this thread's two rows of a warpgroup's 64 x 256 output: row g by f0, row g + 8 by f1.
-__device__ __forceinline__ void scale_rows(float (&o)[128], float f0, float f1) {
-#pragma unroll
-  for (int n = 0; n < kONTiles; ++n) o[4 * n] *= f0, o[4 * n + 1] *= f0, o[4 * n + 2] *= f1, o[4 * n + 3] *= f1;
-}
 
 #if defined(MLA_SM90A_DEVICE)
 
@@ -175,26 +140,6 @@ __device__ __forceinline__ void zero_v_tail(Smem<D>& sm, int buf, int t0, int va
   }
   fence_proxy_async();
   named_sync(bar, 128);
-}
-
-// O (this warpgroup's 256 columns) += P V, P in registers, V = tiles [v_tile, v_tile + 4) of `buf`.
-template <typename T, int D>
-__device__ __forceinline__ void pv_rs(Smem<D>& sm, int buf, int v_tile, const uint32_t (&pa)[4][4], float (&o)[128]) {
-  wgmma_fence();
-#pragma unroll
-  for (int kk = 0; kk < 4; ++kk)
-    wgmma_rs_v<T>(o, pa[kk], smem_desc(sm.k[buf][v_tile] + kk * 2048, kTileBytes, 1024), 1);
-  wgmma_commit();
-}
-// The same with P from a shared-memory tile.
-template <typename T, int D>
-__device__ __forceinline__ void pv_ss(Smem<D>& sm, const uint8_t* p_tile, int buf, int v_tile, float (&o)[128]) {
-  wgmma_fence();
-#pragma unroll
-  for (int kk = 0; kk < 4; ++kk)
-    wgmma_ss_v<T>(o, smem_desc(p_tile + kk * 32, 0, 1024), smem_desc(sm.k[buf][v_tile] + kk * 2048, kTileBytes, 1024),
-                  1);
-  wgmma_commit();
 }
 
 #endif  // MLA_SM90A_DEVICE
@@ -333,7 +278,7 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_kernel(const __grid_
         uint32_t pa[4][4];
         pack_p<T>(s, pa);
         if (valid0 < kBlockN) zero_v_tail(sm, 0, 0, valid0, wtid, kBarWg0);
-        pv_rs<T, D>(sm, 0, 0, pa, o);
+        pv_rs<T>(sm.k[0][0], pa, o);
         wgmma_wait<0>();
         fence_regs(o);
 
@@ -364,7 +309,7 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_kernel(const __grid_
         }
         named_sync(kBarV0RIssued, kThreads);
         scale_rows(o, s1[0], s1[1]);
-        if (has1) pv_ss<T, D>(sm, sm.p(1), 1, 0, o);
+        if (has1) pv_ss<T>(sm.p(1), sm.k[1][0], o);
         if (next0) qk_issue<T, D>(sm, 0, parity(0, jp + 1), 0, kVTilesPerWg, s);
         if (has1) {
           if (next0) wgmma_wait<1>(); else wgmma_wait<0>();
@@ -405,7 +350,7 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_kernel(const __grid_
         pack_p<T>(s, pa);
         if (has1) {
           if (valid1 < kBlockN) zero_v_tail(sm, 1, kVTilesPerWg, valid1, wtid, kBarWg1);
-          pv_rs<T, D>(sm, 1, kVTilesPerWg, pa, o);
+          pv_rs<T>(sm.k[1][kVTilesPerWg], pa, o);
           // P1 for WG0's O_L += P1 V1L.
           uint8_t* p1 = sm.p(1);
 #pragma unroll
@@ -423,7 +368,7 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_kernel(const __grid_
         named_sync(kBarP0, kThreads);
         for (int t = kVTilesPerWg; t < 2 * kVTilesPerWg; ++t) mbar_wait(&sm.full[0][t], parity(0, jp));
         if (valid0 < kBlockN) zero_v_tail(sm, 0, kVTilesPerWg, valid0, wtid, kBarWg1);
-        pv_ss<T, D>(sm, sm.p(0), 0, kVTilesPerWg, o);
+        pv_ss<T>(sm.p(0), sm.k[0][kVTilesPerWg], o);
         named_arrive(kBarV0RIssued, kThreads);
         wgmma_wait<0>();
         fence_regs(o);
@@ -457,7 +402,7 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_kernel(const __grid_
       if (row >= num_rows) continue;
       const float l = sm.l[0][rr[h]] + sm.l[1][rr[h]];
       const int s = row / hpg, head = group * hpg + row % hpg;
-      decode_io::store_row<kONTiles, T>(p.o, p.split, p.b, p.s_q, p.h_q, i, pc.is_split, pc.split_index, s, head,
+      decode_io::store_row<kM64OTiles, T>(p.o, p.split, p.b, p.s_q, p.h_q, i, pc.is_split, pc.split_index, s, head,
                                         wg * 256, t4,
                                         [&](int n) { return make_float2(o[4 * n + 2 * h], o[4 * n + 2 * h + 1]); },
                                         m_prev[h], l, 1.f, -INFINITY, wg == 0 && t4 == 0);

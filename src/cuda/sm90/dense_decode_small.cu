@@ -50,7 +50,7 @@ constexpr int kThreads = 128;
 constexpr int kBlockN = 64;    // keys per block = page size = plan block = wgmma M of S^T
 constexpr int kTileCols = 64;  // 64 x 64 tiles of 16-bit elements: 128-byte rows
 constexpr int kTileBytes = kBlockN * 128;
-constexpr int kVTiles = 8;     // d_v 512 = 8 tiles = 8 wgmma M tiles of O^T
+[[maybe_unused]] constexpr int kVTiles = 8;  // d_v 512 = 8 tiles = 8 wgmma M tiles of O^T
 static_assert(kBlockN == kPlanBlockSize, "one key block per plan block");
 
 template <int D, int N>

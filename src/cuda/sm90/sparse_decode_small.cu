@@ -29,13 +29,13 @@
 #include <type_traits>
 
 #include "../common/decode_io.cuh"
-#include "../common/fp8.cuh"
 #include "../common/smem_limit.h"
 #include "../implementations.h"
 #include "mla/sparse_slots.h"
 #include "common.cuh"
 #include "ptx_sm90.cuh"
 #include "small_n.cuh"
+#include "sparse_tokens.cuh"
 
 namespace mla::cuda {
 
@@ -50,17 +50,6 @@ constexpr int kTileBytes = kBlockN * 128;
 static_assert(kBlockN == kPlanBlockSize, "one token block per plan block");
 static_assert(kThreads == 2 * 128 && 2 * kBlockN == 128, "two producer threads per token");
 
-template <KvFormat F>
-struct Format {
-  static constexpr bool kV32 = F == KvFormat::kV32;
-  static constexpr int kD = kV32 ? 576 : 512;
-  static constexpr int kNope = kV32 ? 512 : 448;          // FP8 dims
-  static constexpr int kRecordBytes = kV32 ? 656 : 576;   // bytes of a token inside its page block
-  static constexpr int kRopeOffset = kV32 ? 528 : 448;    // bytes into the record
-  static constexpr int kScaleTile = kV32 ? 128 : 64;      // dims per scale
-  static constexpr int kHalfNopeChunks = kNope / 2 / 16;  // 16-byte FP8 chunks per producer thread
-};
-
 template <int D, int N>
 struct Smem {
   static constexpr int kTiles = D / 64;
@@ -73,87 +62,10 @@ struct Smem {
   uint64_t full[2], empty[2];
 };
 
-// Byte offset of the 16-byte chunk holding dims [8 c, 8 c + 8) of row r, in its 64-dim tile.
-__device__ __forceinline__ int chunk_at(int r, int c) { return r * 128 + (((c ^ r) & 7) << 4); }
-
-// One producer thread's half of a token: its FP8 NoPE chunks, RoPE chunks and scales as loaded.
-template <KvFormat F>
-struct Raw {
-  bool ok;
-  uint4 nope[Format<F>::kHalfNopeChunks];
-  uint4 rope[4];
-  uint32_t scales[2];  // V3.2: the float32 scales of tiles 2 half, 2 half + 1; MODEL1: the 8 UE8M0 bytes
-};
-
-// Loads thread (t, half)'s part of token t of plan block blk of request i, query row s. Slots past
-// the length and indices outside the cache are invalid: nothing is read.
-template <KvFormat F>
-__device__ __forceinline__ Raw<F> load_raw(const SparseDecodeParams& p, const DecodePlanParams& plan, int i, int s,
-                                           int blk, int t, int half) {
-  using Fm = Format<F>;
-  Raw<F> r;
-  const SparseBlockSlots src = sparse_block_slots(p, plan, i, s, blk);
-  const SparseKvCache& cache = *src.cache;
-  const int slot = src.slot0 + t;
-  const int64_t tok = slot < src.len ? src.indices[slot] : -1;
-  r.ok = sparse_token_in_cache(cache, tok);
-  r.scales[0] = r.scales[1] = 0;
-  if (!r.ok) return r;
-  const uint8_t* block = cache.data + (tok / cache.page_block_size) * cache.stride_block;
-  const int off = int(tok % cache.page_block_size);
-  const uint8_t* rec = block + int64_t(off) * Fm::kRecordBytes;
-#pragma unroll
-  for (int c = 0; c < Fm::kHalfNopeChunks; ++c) {
-    const uint8_t* a = rec + (half * Fm::kHalfNopeChunks + c) * 16;
-    r.nope[c] = Fm::kV32 ? __ldg(reinterpret_cast<const uint4*>(a)) : fp8::load16_align8(a);
-  }
-#pragma unroll
-  for (int c = 0; c < 4; ++c) {
-    const uint8_t* a = rec + Fm::kRopeOffset + (half * 4 + c) * 16;
-    r.rope[c] = Fm::kV32 ? __ldg(reinterpret_cast<const uint4*>(a)) : fp8::load16_align8(a);
-  }
-  const uint2 sc = Fm::kV32 ? __ldg(reinterpret_cast<const uint2*>(rec + 512 + half * 8))
-                            : __ldg(reinterpret_cast<const uint2*>(block + int64_t(cache.page_block_size) * 576 +
-                                                                   int64_t(off) * 8));
-  r.scales[0] = sc.x, r.scales[1] = sc.y;
-  return r;
-}
-
-// Dequantises r into row t of a key buffer (bf16, 128-byte swizzle); an invalid token's row is zero.
-template <KvFormat F>
-__device__ __forceinline__ void store_raw(const Raw<F>& r, uint8_t (*tiles)[kTileBytes], int t, int half) {
-  using Fm = Format<F>;
-  const uint4 zero = make_uint4(0, 0, 0, 0);
-  // NoPE: chunk c of this half covers dims d = (half * chunks + c) * 16 .. + 16, inside one scale tile.
-#pragma unroll
-  for (int c = 0; c < Fm::kHalfNopeChunks; ++c) {
-    const int d = (half * Fm::kHalfNopeChunks + c) * 16;
-    float scale;
-    if constexpr (Fm::kV32) {
-      scale = __uint_as_float(c < 8 ? r.scales[0] : r.scales[1]);  // tile 2 half + c / 8
-    } else {
-      const int tile = d / 64;
-      scale = fp8::ue8m0(uint8_t((tile < 4 ? r.scales[0] >> (8 * tile) : r.scales[1] >> (8 * (tile - 4))) & 0xff));
-    }
-    uint8_t* tile_base = tiles[d / 64];
-    const int ch = (d % 64) / 8;
-    *reinterpret_cast<uint4*>(tile_base + chunk_at(t, ch)) =
-        r.ok ? fp8::dequant8_bf16(make_uint2(r.nope[c].x, r.nope[c].y), scale) : zero;
-    *reinterpret_cast<uint4*>(tile_base + chunk_at(t, ch + 1)) =
-        r.ok ? fp8::dequant8_bf16(make_uint2(r.nope[c].z, r.nope[c].w), scale) : zero;
-  }
-  // RoPE: 64 bf16 = 8 chunks of 8 dims, four per half, dims kNope + 8 (4 half + c).
-#pragma unroll
-  for (int c = 0; c < 4; ++c) {
-    const int d = Fm::kNope + (half * 4 + c) * 8;
-    *reinterpret_cast<uint4*>(tiles[d / 64] + chunk_at(t, (d % 64) / 8)) = r.ok ? r.rope[c] : zero;
-  }
-}
-
 template <KvFormat F, int N>
 __global__ void __launch_bounds__(kThreads, 1) sparse_decode_small_kernel(const __grid_constant__ SparseDecodeParams p) {
 #if defined(MLA_SM90A_DEVICE)
-  using Fm = Format<F>;
+  using Fm = SparseFormat<F>;
   constexpr int D = Fm::kD;
   using SmemT = Smem<D, N>;
   constexpr int kTiles = SmemT::kTiles;
@@ -198,13 +110,14 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_small_kernel(const 
     };
     k = -1, blk = 0, blk_end = 0;
     bool have = advance();
-    Raw<F> cur = have ? load_raw<F>(p, plan, i, s, blk, t, half) : Raw<F>{};
+    TokenPart<F, 2> cur = have ? load_token_part<F, 2>(locate_token(p, plan, i, s, blk, t), half) : TokenPart<F, 2>{};
     while (have) {
       const int buf = block_count & 1;
       const bool have_next = advance();
-      const Raw<F> next = have_next ? load_raw<F>(p, plan, i, s, blk, t, half) : Raw<F>{};
+      const TokenPart<F, 2> next =
+          have_next ? load_token_part<F, 2>(locate_token(p, plan, i, s, blk, t), half) : TokenPart<F, 2>{};
       mbar_wait(&sm.empty[buf], ((block_count / 2) & 1) ^ 1);
-      store_raw<F>(cur, sm.k[buf], t, half);
+      store_token_part<F, 2>(cur, sm.k[buf], t, half);
       if (half == 0) sm.valid[buf][t] = cur.ok;
       fence_proxy_async();
       asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(&sm.full[buf])) : "memory");
@@ -237,7 +150,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_small_kernel(const 
             v = make_uint4(e[0] | uint32_t(e[1]) << 16, e[2] | uint32_t(e[3]) << 16, e[4] | uint32_t(e[5]) << 16,
                            e[6] | uint32_t(e[7]) << 16);
           }
-          *reinterpret_cast<uint4*>(sm.q[ch / 8] + chunk_at(h, ch % 8)) = v;
+          *reinterpret_cast<uint4*>(sm.q[ch / 8] + sparse_chunk_at(h, ch % 8)) = v;
         }
         fence_proxy_async();
       }
@@ -313,7 +226,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_small_kernel(const 
 
 template <KvFormat F, int N>
 cudaError_t launch(const SparseDecodeParams& p, cudaStream_t stream) {
-  constexpr int smem = int(sizeof(Smem<Format<F>::kD, N>)) + 1024;  // + alignment of the tiles to 1024 bytes
+  constexpr int smem = int(sizeof(Smem<SparseFormat<F>::kD, N>)) + 1024;  // + alignment of the tiles to 1024 bytes
   static_assert(smem <= 227 * 1024, "both key buffers, Q and P fit the 227 KB an sm90 block may use");
   const cudaError_t err =
       raise_smem_limit_once<sparse_decode_small_kernel<F, N>>(smem, "the sm90 small-heads sparse kernel");

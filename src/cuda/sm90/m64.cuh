@@ -1,0 +1,80 @@
+// Steps of the Hopper kernels with 64 query rows (dense) or heads (sparse) as wgmma's M and one
+// warpgroup's 256 output columns in registers: P from the S accumulators, the online-softmax
+// rescale, and O += P V with V read from four consecutive 64 x 64 key tiles (MN-major).
+// Accumulator layout (wgmma m64nN, fp32): warp w, lane (g = lane / 4, t4 = lane % 4) holds rows
+// 16 w + g and + 8, columns 8 n + 2 t4 and + 1 of n8 tile n, as v[4 n + 2 (row half) + e].
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "../common/ptx.cuh"
+#include "ptx_sm90.cuh"
+
+namespace mla::cuda::sm90 {
+
+constexpr int kM64TileBytes = 64 * 128;  // a 64 x 64 tile of 16-bit elements
+constexpr int kM64OTiles = 32;           // n8 tiles of a warpgroup's 64 x 256 output
+
+// Byte offset of element (r, c) (c even: a pair) in a 64 x 64 tile with the 128-byte swizzle.
+__device__ __forceinline__ int swz(int r, int c) { return r * 128 + ((((c >> 3) ^ (r & 7))) << 4) + (c & 7) * 2; }
+
+template <typename T>
+__device__ __forceinline__ float2 unpack(uint32_t v) {
+  if constexpr (std::is_same_v<T, __half>) return __half22float2(*reinterpret_cast<const __half2*>(&v));
+  else return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v));
+}
+
+// P (the 64 x 64 fp32 S accumulators after exp2) as the A fragments of four k16 steps of P V: the
+// accumulator layout of n8 tiles 2kk and 2kk + 1 is the A layout of k-step kk.
+template <typename T>
+__device__ __forceinline__ void pack_p(const float (&s)[32], uint32_t (&pa)[4][4]) {
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) pa[kk][e] = ptx::pack2<T>(s[8 * kk + 2 * e], s[8 * kk + 2 * e + 1]);
+}
+
+// P = exp2(S - m) for this thread's two rows (0 where the row max is still -inf), adding each
+// row's values to sum.
+__device__ __forceinline__ void exponentiate(float (&s)[32], const float (&m)[2], float (&sum)[2]) {
+#pragma unroll
+  for (int n = 0; n < 32; ++n) {
+    const int h = (n % 4) / 2;
+    s[n] = m[h] == -INFINITY ? 0.f : exp2f(s[n] - m[h]);
+    sum[h] += s[n];
+  }
+}
+
+// Rescales this thread's two rows of a warpgroup's 64 x 256 output: row g by f0, row g + 8 by f1.
+__device__ __forceinline__ void scale_rows(float (&o)[128], float f0, float f1) {
+#pragma unroll
+  for (int n = 0; n < kM64OTiles; ++n) o[4 * n] *= f0, o[4 * n + 1] *= f0, o[4 * n + 2] *= f1, o[4 * n + 3] *= f1;
+}
+
+#if defined(MLA_SM90A_DEVICE)
+
+// O (this warpgroup's 256 columns) += P V, P in registers, V = the four tiles from v.
+template <typename T>
+__device__ __forceinline__ void pv_rs(const uint8_t* v, const uint32_t (&pa)[4][4], float (&o)[128]) {
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) wgmma_rs_v<T>(o, pa[kk], smem_desc(v + kk * 2048, kM64TileBytes, 1024), 1);
+  wgmma_commit();
+}
+// The same with P from a shared-memory tile.
+template <typename T>
+__device__ __forceinline__ void pv_ss(const uint8_t* p_tile, const uint8_t* v, float (&o)[128]) {
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk)
+    wgmma_ss_v<T>(o, smem_desc(p_tile + kk * 32, 0, 1024), smem_desc(v + kk * 2048, kM64TileBytes, 1024), 1);
+  wgmma_commit();
+}
+
+#endif  // MLA_SM90A_DEVICE
+
+}  // namespace mla::cuda::sm90

@@ -1,0 +1,346 @@
+// Hopper (sm_90a) sparse MLA decode over FP8 caches (V3.2: d_qk 576, 656 bytes per token; MODEL1:
+// d_qk 512, 584 bytes per token, block-interleaved scales) for more than 32 heads, 64 heads per
+// CTA (h_q not a multiple of 64 leaves the last CTA's spare rows zero). Every feature of the op:
+// the attention sink, topk_length, an extra cache with its own page size, extra_topk_length;
+// indices outside the cache are invalid and never read.
+//
+// Schedule (384 threads = three warpgroups, one CTA per (64-head tile, query token s, plan part),
+// persistent over the part's pieces; one CTA per SM):
+//   * warpgroup 2 produces (setmaxnreg 136): per 64-slot block, two rounds of 32 tokens, four
+//     threads per token, each loading every fourth 16-byte chunk of the FP8 record (8-byte loads for
+//     MODEL1) one round ahead of its dequantisation (e4m3 * scale -> bf16, RoPE copied) into a
+//     64 x D key buffer in the 128-byte swizzle, with a validity flag per token; two buffers handed
+//     over with full / empty mbarriers;
+//   * warpgroup 0 (setmaxnreg 208): S = Q K^T (64 heads x 64 tokens, wgmma m64n64k16 over the D / 64
+//     tiles), invalid tokens masked, online softmax (running max and sum per head in registers),
+//     P to shared memory with the rescale factor of each head, then O[:, 0:256] = O a + P V_L with
+//     P from registers;
+//   * warpgroup 1 (setmaxnreg 160): O[:, 256:512] = O a + P V_R with P from shared memory;
+//   * named barriers order P: warpgroup 0 writes a block's P and factors once warpgroup 1 is done
+//     with the previous block's ("P free"), and warpgroup 1 multiplies once they are written ("P
+//     ready"); both warpgroups return a buffer to the producer once their products are done;
+//   * epilogue: O / (l + exp2(sink - m)) to out / lse for whole pieces, fp32 partials for split
+//     ones (the combine kernel applies the sink), each warpgroup its 256 columns.
+// Tile sizes: 64 heads, 64-token blocks, two bf16 key buffers (144 KB at d_qk 576) + Q (72 KB) +
+// P (8 KB); wgmma m64n64k16 (S) and m64n256k16 (P V).
+// Not yet measured on a GPU.
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "../common/decode_io.cuh"
+#include "../common/smem_limit.h"
+#include "../implementations.h"
+#include "common.cuh"
+#include "m64.cuh"
+#include "mla/sparse_slots.h"
+#include "ptx_sm90.cuh"
+#include "sparse_tokens.cuh"
+
+namespace mla::cuda {
+
+namespace sm90_sparse {
+
+using namespace sm90;
+
+constexpr int kThreads = 384;  // warpgroups 0 and 1 consume, 2 produces
+[[maybe_unused]] constexpr int kConsumers = 256;
+constexpr int kBlockM = 64;    // heads per CTA
+constexpr int kBlockN = 64;    // tokens per block = plan block
+constexpr int kRoundTokens = 32;  // tokens a producer round covers (four threads per token)
+[[maybe_unused]] constexpr int kTokenParts = 128 / kRoundTokens;
+constexpr int kTileBytes = kM64TileBytes;
+[[maybe_unused]] constexpr int kVTilesPerWg = 4;  // each consumer warpgroup owns 256 output columns = 4 tiles
+static_assert(kBlockN == kPlanBlockSize, "one token block per plan block");
+static_assert(kBlockN == 2 * kRoundTokens, "two producer rounds per block");
+// Registers per thread of each warpgroup after setmaxnreg (multiples of 8). The CTA starts with
+// 168 per thread (64 K / 384, rounded down to 8) and setmaxnreg only moves registers between its
+// warpgroups, so the three must sum to at most 3 x 168.
+constexpr int kLaunchRegs = (65536 / kThreads) / 8 * 8;
+constexpr int kRegsWg0 = 208, kRegsWg1 = 160, kRegsProducer = 136;
+static_assert(kRegsWg0 + kRegsWg1 + kRegsProducer <= 3 * kLaunchRegs, "setmaxnreg moves registers, never adds");
+
+enum Barrier : int {
+  kBarPReady = 1,  // warpgroup 0 wrote P and the factors of a block
+  kBarPFree = 2,   // warpgroup 1 is done with them
+  kBarEpilogue = 3,  // warpgroup 0 wrote the piece's final max and sum
+  kBarWg0 = 4,     // warpgroup 0 alone
+};
+
+template <int D>
+struct Smem {
+  static constexpr int kTiles = D / 64;  // 9 or 8
+  uint8_t q[kTiles][kTileBytes];
+  uint8_t k[2][kTiles][kTileBytes];  // dequantised tokens [token][dim], bf16, swizzled
+  uint8_t p[kTileBytes];             // P [head][token], bf16, swizzled
+  float factor[kBlockM];             // the block's rescale factor of each head's output
+  float m_final[2][kBlockM];         // per piece (by parity): the heads' final max and sum
+  float l_final[2][kBlockM];
+  uint8_t valid[2][kBlockN];
+  uint64_t full[2], empty[2];
+};
+
+// The CTA's blocks in order, across its pieces, as the producer walks them.
+struct BlockWalk {
+  int num_pieces, k = -1, i = 0, blk = 0, blk_end = 0;
+  __device__ bool advance(const SparseDecodeParams& p, const DecodePlanParams& plan, int part) {
+    ++blk;
+    while (blk >= blk_end) {
+      if (++k >= num_pieces) return false;
+      const PlanPiece pc = decode_io::piece(p.split, plan, part, k);
+      i = __shfl_sync(0xffffffffu, pc.req, 0);
+      blk = __shfl_sync(0xffffffffu, pc.block_begin, 0);
+      blk_end = __shfl_sync(0xffffffffu, pc.block_end, 0);
+    }
+    return true;
+  }
+};
+
+#if defined(MLA_SM90A_DEVICE)
+
+template <int kRegs>
+__device__ __forceinline__ void set_max_regs_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+}
+template <int kRegs>
+__device__ __forceinline__ void set_max_regs_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
+}
+
+// Warpgroup kWg (0 or 1) of the consumers: the CTA's pieces, block by block, then each piece's
+// epilogue for this warpgroup's 256 output columns.
+template <KvFormat F, int kWg>
+__device__ __forceinline__ void consume(const SparseDecodeParams& p, Smem<SparseFormat<F>::kD>& sm,
+                                        const DecodePlanParams& plan, int num_pieces, int row_base, int s, int part,
+                                        int wtid) {
+  constexpr int D = SparseFormat<F>::kD;
+  constexpr int kTiles = Smem<D>::kTiles;
+  const int warp = wtid / 32, lane = wtid % 32, g = lane / 4, t4 = lane % 4;
+  const float scale_log2 = p.softmax_scale * kLog2e;
+  const int rr[2] = {warp * 16 + g, warp * 16 + g + 8};  // this thread's two rows (heads) of the tile
+  int total_blocks = 0;  // the CTA's blocks over all its pieces (for the P barriers' first / last)
+  for (int k = 0; k < num_pieces; ++k) {
+    const PlanPiece pc = decode_io::piece(p.split, plan, part, k);
+    total_blocks += max(0, pc.block_end - pc.block_begin);
+  }
+  total_blocks = __shfl_sync(0xffffffffu, total_blocks, 0);
+  const auto* q = reinterpret_cast<const __nv_bfloat16*>(p.q);
+  const bool q_vec = ((reinterpret_cast<uintptr_t>(q) | (p.q_stride_b | p.q_stride_s | p.q_stride_h) * 2) & 15) == 0;
+
+  uint32_t count = 0;  // blocks consumed so far
+  for (int k = 0; k < num_pieces; ++k) {
+    const PlanPiece pc = decode_io::piece(p.split, plan, part, k);
+    const int i = __shfl_sync(0xffffffffu, pc.req, 0);
+    const int n_blocks = __shfl_sync(0xffffffffu, max(0, pc.block_end - pc.block_begin), 0);
+
+    float o[128];
+#pragma unroll
+    for (int j = 0; j < 128; ++j) o[j] = 0.f;
+    float m_run[2] = {-INFINITY, -INFINITY}, l_own[2] = {0.f, 0.f};
+
+    if constexpr (kWg == 0) {
+      // Q of this token's 64 heads (heads past h_q zero); only this warpgroup reads Q, and its S of
+      // the previous piece is done.
+      stage_rows<__nv_bfloat16, D, kBlockM>(
+          [&](int r) -> const __nv_bfloat16* {
+            const int h = row_base + r;
+            return h < p.h_q ? q + i * p.q_stride_b + s * p.q_stride_s + h * p.q_stride_h : nullptr;
+          },
+          q_vec, sm.q[0], wtid, 128);
+      named_sync(kBarWg0, 128);
+    }
+
+    for (int j = 0; j < n_blocks; ++j, ++count) {
+      const int buf = count & 1;
+      mbar_wait(&sm.full[buf], (count / 2) & 1);
+      if constexpr (kWg == 0) {
+        // ---- S = Q K^T, masked; m, P, l -------------------------------------------------------
+        float sc[32];
+        wgmma_fence();
+#pragma unroll
+        for (int t = 0; t < kTiles; ++t)
+#pragma unroll
+          for (int kk = 0; kk < 4; ++kk)
+            wgmma_ss_k<__nv_bfloat16>(sc, smem_desc(sm.q[t] + kk * 32, 0, 1024),
+                                      smem_desc(sm.k[buf][t] + kk * 32, 0, 1024), t > 0 || kk > 0);
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_regs(sc);
+        const uint8_t* valid = sm.valid[buf];
+        float row_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+        for (int n = 0; n < 8; ++n)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int h = e / 2, key = n * 8 + 2 * t4 + (e % 2);
+            sc[n * 4 + e] = valid[key] ? sc[n * 4 + e] * scale_log2 : -INFINITY;
+            row_max[h] = fmaxf(row_max[h], sc[n * 4 + e]);
+          }
+        float m_new[2], factor[2], sum[2] = {0.f, 0.f};
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          row_max[h] = fmaxf(row_max[h], __shfl_xor_sync(0xffffffffu, row_max[h], 1));
+          row_max[h] = fmaxf(row_max[h], __shfl_xor_sync(0xffffffffu, row_max[h], 2));
+          m_new[h] = fmaxf(m_run[h], row_max[h]);
+          factor[h] = m_new[h] == -INFINITY ? 1.f : exp2f(m_run[h] - m_new[h]);
+          m_run[h] = m_new[h];
+        }
+        exponentiate(sc, m_new, sum);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) l_own[h] = l_own[h] * factor[h] + sum[h];
+        uint32_t pa[4][4];
+        pack_p<__nv_bfloat16>(sc, pa);
+
+        // ---- P and the factors for warpgroup 1, once it is done with the previous block's ------
+        if (count > 0) named_sync(kBarPFree, kConsumers);
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            *reinterpret_cast<uint32_t*>(sm.p + swz(rr[e % 2], kk * 16 + (e / 2) * 8 + 2 * t4)) = pa[kk][e];
+        if (t4 == 0) sm.factor[rr[0]] = factor[0], sm.factor[rr[1]] = factor[1];
+        fence_proxy_async();
+        named_arrive(kBarPReady, kConsumers);
+
+        // ---- O_L = O_L a + P V_L ----------------------------------------------------------------
+        scale_rows(o, factor[0], factor[1]);
+        pv_rs<__nv_bfloat16>(sm.k[buf][0], pa, o);
+        wgmma_wait<0>();
+        fence_regs(o);
+      } else {
+        // ---- O_R = O_R a + P V_R ----------------------------------------------------------------
+        named_sync(kBarPReady, kConsumers);
+        scale_rows(o, sm.factor[rr[0]], sm.factor[rr[1]]);
+        pv_ss<__nv_bfloat16>(sm.p, sm.k[buf][kVTilesPerWg], o);
+        wgmma_wait<0>();
+        fence_regs(o);
+        if (int(count) + 1 < total_blocks) named_arrive(kBarPFree, kConsumers);
+      }
+      // This warpgroup is done with the buffer (and its validity flags).
+      mbar_arrive(&sm.empty[buf]);
+    }
+
+    // ---- epilogue: warpgroup 0's final max and sum per head, each warpgroup its 256 columns ------
+    const int pk = k & 1;
+    if constexpr (kWg == 0) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        l_own[h] += __shfl_xor_sync(0xffffffffu, l_own[h], 1);
+        l_own[h] += __shfl_xor_sync(0xffffffffu, l_own[h], 2);
+        if (t4 == 0) sm.m_final[pk][rr[h]] = m_run[h], sm.l_final[pk][rr[h]] = l_own[h];
+      }
+    }
+    named_sync(kBarEpilogue, kConsumers);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int head = row_base + rr[h];
+      if (head >= p.h_q) continue;
+      const float sink = p.attn_sink ? p.attn_sink[head] : -INFINITY;
+      decode_io::store_row<kM64OTiles, __nv_bfloat16>(
+          p.o, p.split, p.b, p.s_q, p.h_q, i, pc.is_split, pc.split_index, s, head, kWg * 256, t4,
+          [&](int n) { return make_float2(o[4 * n + 2 * h], o[4 * n + 2 * h + 1]); }, sm.m_final[pk][rr[h]],
+          sm.l_final[pk][rr[h]], 1.f, sink, kWg == 0 && t4 == 0);
+    }
+  }
+}
+
+#endif  // MLA_SM90A_DEVICE
+
+template <KvFormat F>
+__global__ void __launch_bounds__(kThreads, 1) sparse_decode_kernel(const __grid_constant__ SparseDecodeParams p) {
+#if defined(MLA_SM90A_DEVICE)
+  using Fm = SparseFormat<F>;
+  constexpr int D = Fm::kD;
+  using SmemT = Smem<D>;
+  extern __shared__ uint8_t smem_raw[];
+  // Tiles 1024-byte aligned; offsetting smem_raw keeps the accesses in the shared address space.
+  SmemT& sm = *reinterpret_cast<SmemT*>(smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u));
+
+  const int tid = threadIdx.x, wg = __shfl_sync(0xffffffffu, tid / 128, 0), wtid = tid % 128;
+  const int row_base = blockIdx.x * kBlockM, s = blockIdx.y, part = blockIdx.z;
+  const DecodePlanParams plan = sparse_plan_params(p);
+
+  if (tid == 0) {
+    for (int b = 0; b < 2; ++b) mbar_init(&sm.full[b], 128), mbar_init(&sm.empty[b], kConsumers);
+    fence_barrier_init();
+  }
+  __syncthreads();
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+  const int num_pieces = decode_io::num_pieces(p.split, p.b, part);
+
+  if (wg == 2) {
+    // ---- producer: gather, dequantise, store; the next round's records in flight ---------------
+    set_max_regs_dec<kRegsProducer>();
+    const int tq = wtid / kTokenParts, tp = wtid % kTokenParts;  // token of the round, its part
+    BlockWalk walk{num_pieces};
+    bool have = walk.advance(p, plan, part);
+    using Part = TokenPart<F, kTokenParts>;
+    Part cur = have ? load_token_part<F, kTokenParts>(locate_token(p, plan, walk.i, s, walk.blk, tq), tp) : Part{};
+    uint32_t count = 0;  // blocks handed over: buffer count % 2, phase (count / 2) % 2
+    int round = 0;
+    while (have) {
+      // The next round: this block's second, or the next block's first.
+      bool have_next = true;
+      if (round == 1) have_next = walk.advance(p, plan, part);
+      const int next_token = (round ^ 1) * kRoundTokens + tq;
+      const Part next =
+          have_next ? load_token_part<F, kTokenParts>(locate_token(p, plan, walk.i, s, walk.blk, next_token), tp)
+                    : Part{};
+      const int buf = count & 1;
+      if (round == 0) mbar_wait(&sm.empty[buf], ((count / 2) & 1) ^ 1);
+      const int t = round * kRoundTokens + tq;
+      store_token_part<F, kTokenParts>(cur, sm.k[buf], t, tp);
+      if (tp == 0) sm.valid[buf][t] = cur.ok;
+      if (round == 1) {
+        fence_proxy_async();
+        mbar_arrive(&sm.full[buf]);
+        ++count;
+      }
+      cur = next;
+      have = have_next;
+      round ^= 1;
+    }
+    return;
+  }
+
+  // ---- consumers: each warpgroup its own code, so that each is compiled with its own registers ----
+  if (wg == 0) {
+    set_max_regs_inc<kRegsWg0>();
+    consume<F, 0>(p, sm, plan, num_pieces, row_base, s, part, wtid);
+  } else {
+    set_max_regs_dec<kRegsWg1>();
+    consume<F, 1>(p, sm, plan, num_pieces, row_base, s, part, wtid);
+  }
+#endif  // MLA_SM90A_DEVICE
+}
+
+// ---- host side -------------------------------------------------------------------------------
+
+template <KvFormat F>
+cudaError_t launch(const SparseDecodeParams& p, cudaStream_t stream) {
+  constexpr int smem = int(sizeof(Smem<SparseFormat<F>::kD>)) + 1024;  // + alignment of the tiles to 1024 bytes
+  static_assert(smem <= 227 * 1024, "Q, both key buffers and P fit the 227 KB an sm90 block may use");
+  const cudaError_t err = raise_smem_limit_once<sparse_decode_kernel<F>>(smem, "the sm90 sparse decode kernel");
+  if (err != cudaSuccess) return err;
+  const dim3 grid(unsigned(ceil_div(p.h_q, kBlockM)), unsigned(p.s_q), unsigned(p.split.num_sm_parts));
+  return launch_dependent(sparse_decode_kernel<F>, grid, kThreads, smem, stream, p);
+}
+
+}  // namespace sm90_sparse
+
+cudaError_t sm90_sparse_decode(const SparseDecodeParams& p, cudaStream_t stream) {
+  const cudaError_t err = p.format == KvFormat::kV32 ? sm90_sparse::launch<KvFormat::kV32>(p, stream)
+                                                     : sm90_sparse::launch<KvFormat::kModel1>(p, stream);
+  if (err != cudaSuccess) return err;
+  CombineParams c;
+  c.b = p.b, c.s_q = p.s_q, c.h_q = p.h_q;
+  c.split = p.split;
+  c.o = p.o;
+  c.attn_sink = p.attn_sink;
+  return combine(c, stream, /*pdl=*/true);
+}
+
+}  // namespace mla::cuda

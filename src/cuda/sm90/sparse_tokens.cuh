@@ -1,0 +1,135 @@
+// The producer side of the Hopper sparse kernels: where a token of a plan block lives, its FP8
+// record loaded by kParts threads (each a contiguous part of its NoPE dims and of its RoPE), and
+// that part dequantised to bf16 (exactly as the reference: e4m3 * scale rounded to bf16; RoPE
+// copied) into one row of a 64 x D key buffer in the 128-byte swizzle.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "../common/fp8.cuh"
+#include "mla/params.h"
+#include "mla/plan.h"
+#include "mla/sparse_slots.h"
+
+namespace mla::cuda::sm90 {
+
+constexpr int kSparseTileBytes = 64 * 128;  // a 64 x 64 tile of bf16
+
+template <KvFormat F>
+struct SparseFormat {
+  static constexpr bool kV32 = F == KvFormat::kV32;
+  static constexpr int kD = kV32 ? 576 : 512;
+  static constexpr int kNope = kV32 ? 512 : 448;          // FP8 dims
+  static constexpr int kRecordBytes = kV32 ? 656 : 576;   // bytes of a token inside its page block
+  static constexpr int kRopeOffset = kV32 ? 528 : 448;    // bytes into the record
+  static constexpr int kScaleTile = kV32 ? 128 : 64;      // dims per scale
+};
+
+// Byte offset of the 16-byte chunk holding dims [8 c, 8 c + 8) of row r, in its 64-dim tile.
+__device__ __forceinline__ int sparse_chunk_at(int r, int c) { return r * 128 + (((c ^ r) & 7) << 4); }
+
+// Token t of plan block blk of request i, query row s: the cache it indexes and its index (-1 past
+// the list's valid length).
+struct TokenRef {
+  const SparseKvCache* cache;
+  int64_t tok;
+};
+__device__ __forceinline__ TokenRef locate_token(const SparseDecodeParams& p, const DecodePlanParams& plan, int i,
+                                                 int s, int blk, int t) {
+  const SparseBlockSlots src = sparse_block_slots(p, plan, i, s, blk);
+  const int slot = src.slot0 + t;
+  return {src.cache, slot < src.len ? int64_t(src.indices[slot]) : int64_t(-1)};
+}
+
+// Part `part` of kParts of a token's record as loaded. The parts interleave by 16-byte chunk
+// (chunk c of the part is chunk c * kParts + part of the record), so the kParts threads of a token
+// read kParts x 16 contiguous bytes per load: NoPE chunks of 16 e4m3 dims, RoPE chunks of 8 bf16
+// dims, and all the token's scales (V3.2: four float32, one per 128-dim tile; MODEL1: eight UE8M0
+// bytes, one per 64-dim tile).
+template <KvFormat F, int kParts>
+struct TokenPart {
+  using Fm = SparseFormat<F>;
+  static constexpr int kNopeChunks = Fm::kNope / kParts / 16;
+  static constexpr int kRopeChunks = 8 / kParts;
+  static_assert(Fm::kNope % (kParts * 16) == 0 && 8 % kParts == 0, "parts of whole chunks");
+  // A part's chunk c lies in scale tile c * kParts * 16 / kScaleTile whatever the part: the kParts
+  // chunks c * kParts .. + kParts - 1 never straddle a tile.
+  static_assert((Fm::kScaleTile / 16) % kParts == 0, "interleaved chunks stay inside their scale tile");
+  bool ok;
+  uint4 nope[kNopeChunks];
+  uint4 rope[kRopeChunks];
+  uint32_t scales[Fm::kV32 ? 4 : 2];
+};
+
+// Loads `part` of the token `ref` names. Indices outside the cache are invalid: nothing is read.
+template <KvFormat F, int kParts>
+__device__ __forceinline__ TokenPart<F, kParts> load_token_part(const TokenRef& ref, int part) {
+  using Fm = SparseFormat<F>;
+  using TP = TokenPart<F, kParts>;
+  TP r;
+  const SparseKvCache& cache = *ref.cache;
+  const int64_t tok = ref.tok;
+  r.ok = sparse_token_in_cache(cache, tok);
+  if (!r.ok) {
+    for (uint32_t& v : r.scales) v = 0;
+    return r;
+  }
+  const uint8_t* block = cache.data + (tok / cache.page_block_size) * cache.stride_block;
+  const int off = int(tok % cache.page_block_size);
+  const uint8_t* rec = block + int64_t(off) * Fm::kRecordBytes;
+#pragma unroll
+  for (int c = 0; c < TP::kNopeChunks; ++c) {
+    const uint8_t* a = rec + (c * kParts + part) * 16;
+    r.nope[c] = Fm::kV32 ? __ldg(reinterpret_cast<const uint4*>(a)) : fp8::load16_align8(a);
+  }
+#pragma unroll
+  for (int c = 0; c < TP::kRopeChunks; ++c) {
+    const uint8_t* a = rec + Fm::kRopeOffset + (c * kParts + part) * 16;
+    r.rope[c] = Fm::kV32 ? __ldg(reinterpret_cast<const uint4*>(a)) : fp8::load16_align8(a);
+  }
+  if constexpr (Fm::kV32) {
+    const uint4 v = __ldg(reinterpret_cast<const uint4*>(rec + Fm::kNope));
+    r.scales[0] = v.x, r.scales[1] = v.y, r.scales[2] = v.z, r.scales[3] = v.w;
+  } else {
+    const uint2 v =
+        __ldg(reinterpret_cast<const uint2*>(block + int64_t(cache.page_block_size) * 576 + int64_t(off) * 8));
+    r.scales[0] = v.x, r.scales[1] = v.y;
+  }
+  return r;
+}
+
+// Dequantises r into row t of a key buffer (bf16, 128-byte swizzle); an invalid token's part of
+// the row is zero.
+template <KvFormat F, int kParts>
+__device__ __forceinline__ void store_token_part(const TokenPart<F, kParts>& r, uint8_t (*tiles)[kSparseTileBytes],
+                                                 int t, int part) {
+  using Fm = SparseFormat<F>;
+  using TP = TokenPart<F, kParts>;
+  const uint4 zero = make_uint4(0, 0, 0, 0);
+#pragma unroll
+  for (int c = 0; c < TP::kNopeChunks; ++c) {
+    const int d = (c * kParts + part) * 16;
+    float scale;
+    if constexpr (Fm::kV32) {
+      scale = __uint_as_float(r.scales[c * kParts * 16 / Fm::kScaleTile]);
+    } else {
+      const int tile = c * kParts * 16 / Fm::kScaleTile;
+      scale = fp8::ue8m0(uint8_t((tile < 4 ? r.scales[0] >> (8 * tile) : r.scales[1] >> (8 * (tile - 4))) & 0xff));
+    }
+    uint8_t* tile_base = tiles[d / 64];
+    const int ch = (d % 64) / 8;
+    *reinterpret_cast<uint4*>(tile_base + sparse_chunk_at(t, ch)) =
+        r.ok ? fp8::dequant8_bf16(make_uint2(r.nope[c].x, r.nope[c].y), scale) : zero;
+    *reinterpret_cast<uint4*>(tile_base + sparse_chunk_at(t, ch + 1)) =
+        r.ok ? fp8::dequant8_bf16(make_uint2(r.nope[c].z, r.nope[c].w), scale) : zero;
+  }
+#pragma unroll
+  for (int c = 0; c < TP::kRopeChunks; ++c) {
+    const int d = Fm::kNope + (c * kParts + part) * 8;
+    *reinterpret_cast<uint4*>(tiles[d / 64] + sparse_chunk_at(t, (d % 64) / 8)) = r.ok ? r.rope[c] : zero;
+  }
+}
+
+}  // namespace mla::cuda::sm90
