@@ -23,7 +23,11 @@
 //     ones (the combine kernel applies the sink), each warpgroup its 256 columns.
 // Tile sizes: 64 heads, 64-token blocks, two bf16 key buffers (144 KB at d_qk 576) + Q (72 KB) +
 // P (8 KB); wgmma m64n64k16 (S) and m64n256k16 (P V).
-// Not yet measured on a GPU.
+// Reached on an H200 (bench/RESULTS.md, FlashMLA in the same run): V3.2 b=128 h_q=128 topk 2048
+// 515.4 us (FlashMLA 196.8 us; the portable kernel 1293.7), s_q=2 982.8 us (358.3); MODEL1 b=128
+// h_q=128 mixed with sink 203.7 us (105.4). What FlashMLA has and this kernel not yet: the two
+// 64-head CTAs of a 128-head token dequantise half a block each and share it through distributed
+// shared memory (a cluster of two), halving the dequantisation per CTA, which bounds this kernel.
 #include <cuda_runtime.h>
 
 #include <cstdint>
