@@ -10,6 +10,18 @@ namespace mla::cuda {
 // Compute capability x 10 of the current device (read once per device).
 int device_arch();
 
+// The combine of a decode call's split pieces (sink: the sparse call's attention sink, or null),
+// which every decode implementation launches after its attention kernel.
+inline CombineParams combine_params(int b, int s_q, int h_q, const DecodeSplit& split, const DecodeOutput& o,
+                                    const float* sink) {
+  CombineParams c;
+  c.b = b, c.s_q = s_q, c.h_q = h_q;
+  c.split = split;
+  c.o = o;
+  c.attn_sink = sink;
+  return c;
+}
+
 // Portable kernels (sm80+): the whole envelope of SPEC §6.
 cudaError_t portable_dense_decode(const DenseDecodeParams& params, cudaStream_t stream);
 cudaError_t portable_sparse_decode(const SparseDecodeParams& params, cudaStream_t stream);

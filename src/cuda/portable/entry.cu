@@ -13,16 +13,6 @@ using portable::DenseProblem;
 using portable::PrefillProblem;
 using portable::SparseProblem;
 
-CombineParams combine_params(int b, int s_q, int h_q, const DecodeSplit& split, const DecodeOutput& o,
-                             const float* sink) {
-  CombineParams c;
-  c.b = b, c.s_q = s_q, c.h_q = h_q;
-  c.split = split;
-  c.o = o;
-  c.attn_sink = sink;
-  return c;
-}
-
 template <class Problem>
 cudaError_t launch_dense(const DenseDecodeParams& p, cudaStream_t stream) {
   const int rows = p.s_q * (p.h_q / p.h_k);

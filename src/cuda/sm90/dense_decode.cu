@@ -439,11 +439,7 @@ cudaError_t sm90_dense_decode(const DenseDecodeParams& p, cudaStream_t stream) {
   else
     err = d576 ? sm90::launch<__nv_bfloat16, 576>(p, stream) : sm90::launch<__nv_bfloat16, 512>(p, stream);
   if (err != cudaSuccess) return err;
-  CombineParams c;
-  c.b = p.b, c.s_q = p.s_q, c.h_q = p.h_q;
-  c.split = p.split;
-  c.o = p.o;
-  return combine(c, stream, /*pdl=*/true);
+  return combine(combine_params(p.b, p.s_q, p.h_q, p.split, p.o, nullptr), stream, /*pdl=*/true);
 }
 
 }  // namespace mla::cuda

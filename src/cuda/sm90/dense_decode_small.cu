@@ -206,30 +206,8 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_small_kernel(const _
         const float l = sm.warp_sum[0][r] + sm.warp_sum[1][r] + sm.warp_sum[2][r] + sm.warp_sum[3][r];
         const float m = m_run[n][e];
         const int s = r / hpg, h = group * hpg + r % hpg;
-        if (pc.is_split) {
-          if (pc.split_index < 0 || pc.split_index >= p.b + p.split.num_sm_parts) continue;
-          const int64_t row = (int64_t(pc.split_index) * p.s_q + s) * p.h_q + h;
-          const float inv = l > 0.f ? 1.f / l : 0.f;
-          float* dst = p.split.o_accum + row * kHeadDimV;
-#pragma unroll
-          for (int mt = 0; mt < kVTiles; ++mt)
-#pragma unroll
-            for (int hk = 0; hk < 2; ++hk) dst[mt * 64 + key_lo + 8 * hk] = o[mt][4 * n + 2 * hk + e] * inv;
-          if (warp == 0 && g == 0) p.split.lse_accum[row] = l > 0.f ? log2f(l) + m : -INFINITY;
-        } else {
-          const float inv = l > 0.f ? 1.f / l : 0.f;
-          T* dst = static_cast<T*>(p.o.out) + i * p.o.out_stride_b + s * p.o.out_stride_s + h * p.o.out_stride_h;
-#pragma unroll
-          for (int mt = 0; mt < kVTiles; ++mt)
-#pragma unroll
-            for (int hk = 0; hk < 2; ++hk) {
-              const float v = o[mt][4 * n + 2 * hk + e] * inv;
-              dst[mt * 64 + key_lo + 8 * hk] = small_from_float<T>(v);
-            }
-          if (warp == 0 && g == 0)
-            p.o.lse[i * p.o.lse_stride_b + s * p.o.lse_stride_s + h * p.o.lse_stride_h] =
-                l > 0.f ? (log2f(l) + m) * kLn2 : INFINITY;
-        }
+        small_store_column<T, N>(p.o, p.split, p.b, p.s_q, p.h_q, i, pc.is_split, pc.split_index, s, h, o, n, e,
+                                 key_lo, m, l, -INFINITY, warp == 0 && g == 0);
       }
   }
 #endif  // MLA_SM90A_DEVICE
@@ -268,11 +246,7 @@ cudaError_t sm90_dense_decode_small(const DenseDecodeParams& p, cudaStream_t str
     err = rows <= 16 ? sm90_small::launch_for_dim<__nv_bfloat16, 16>(p, stream)
                      : sm90_small::launch_for_dim<__nv_bfloat16, 32>(p, stream);
   if (err != cudaSuccess) return err;
-  CombineParams c;
-  c.b = p.b, c.s_q = p.s_q, c.h_q = p.h_q;
-  c.split = p.split;
-  c.o = p.o;
-  return combine(c, stream, /*pdl=*/true);
+  return combine(combine_params(p.b, p.s_q, p.h_q, p.split, p.o, nullptr), stream, /*pdl=*/true);
 }
 
 }  // namespace mla::cuda

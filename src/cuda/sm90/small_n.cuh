@@ -7,7 +7,8 @@
 //                    column, P = exp2(S - m) written as P [column][key], O^T rescaled;
 //   small_pv:        O^T (512 x N, eight 64-dim tiles) += V^T P^T, V read transposed (MN-major) from
 //                    the first eight key tiles;
-//   small_row_sums:  the epilogue's per-column sums over lanes and warps.
+//   small_row_sums:  the epilogue's per-column sums over lanes and warps;
+//   small_store_column: one column of O^T to its output row (out / lse, or a split's partial).
 // Accumulator layout (wgmma m64nN, fp32): warp w, lane (g = lane / 4, t4 = lane % 4) holds
 // rows (keys or dims) 16 w + g and + 8, columns 8 n + 2 t4 and + 1, as v[4 n + 2 hk + e].
 #pragma once
@@ -18,6 +19,8 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "mla/params.h"
+#include "mla/types.h"
 #include "ptx_sm90.cuh"
 
 namespace mla::cuda::sm90 {
@@ -149,6 +152,40 @@ __device__ __forceinline__ void small_row_sums(const float (&l_part)[N / 8][2], 
       l += __shfl_xor_sync(0xffffffffu, l, 16);
       if (g == 0) warp_sum[warp][8 * n + 2 * t4 + e] = l;
     }
+}
+
+// Writes column (n, e) of O^T (this thread's 32 values of it: dims 64 mt + key_lo + 8 hk) to output
+// row (s, h) of request req: out / lse with the attention sink for whole pieces (sink -inf: none),
+// or the fp32 partial of a split for the combine kernel. m (log2 domain) and l are the column's
+// running max and sum; write_stats: this thread writes the row's lse.
+template <typename T, int N>
+__device__ __forceinline__ void small_store_column(const DecodeOutput& out, const DecodeSplit& split, int b, int s_q,
+                                                   int h_q, int req, bool is_split, int split_index, int s, int h,
+                                                   const float (&o)[kSmallVTiles][N / 2], int n, int e, int key_lo,
+                                                   float m, float l, float sink, bool write_stats) {
+  if (is_split) {
+    // Split rows live in [0, b + num_sm_parts); a foreign plan must not write outside them.
+    if (split_index < 0 || split_index >= b + split.num_sm_parts) return;
+    const int64_t row = (int64_t(split_index) * s_q + s) * h_q + h;
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    float* dst = split.o_accum + row * kHeadDimV;
+#pragma unroll
+    for (int mt = 0; mt < kSmallVTiles; ++mt)
+#pragma unroll
+      for (int hk = 0; hk < 2; ++hk) dst[mt * 64 + key_lo + 8 * hk] = o[mt][4 * n + 2 * hk + e] * inv;
+    if (write_stats) split.lse_accum[row] = l > 0.f ? log2f(l) + m : -INFINITY;
+  } else {
+    const float inv = l > 0.f ? 1.f / (l + exp2f(sink * kLog2e - m)) : 0.f;
+    T* dst = static_cast<T*>(out.out) + req * out.out_stride_b + s * out.out_stride_s + h * out.out_stride_h;
+#pragma unroll
+    for (int mt = 0; mt < kSmallVTiles; ++mt)
+#pragma unroll
+      for (int hk = 0; hk < 2; ++hk)
+        dst[mt * 64 + key_lo + 8 * hk] = small_from_float<T>(o[mt][4 * n + 2 * hk + e] * inv);
+    if (write_stats)
+      out.lse[req * out.lse_stride_b + s * out.lse_stride_s + h * out.lse_stride_h] =
+          l > 0.f ? (log2f(l) + m) * kLn2 : INFINITY;
+  }
 }
 
 #endif  // MLA_SM90A_DEVICE

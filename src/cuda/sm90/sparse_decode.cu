@@ -339,12 +339,7 @@ cudaError_t sm90_sparse_decode(const SparseDecodeParams& p, cudaStream_t stream)
   const cudaError_t err = p.format == KvFormat::kV32 ? sm90_sparse::launch<KvFormat::kV32>(p, stream)
                                                      : sm90_sparse::launch<KvFormat::kModel1>(p, stream);
   if (err != cudaSuccess) return err;
-  CombineParams c;
-  c.b = p.b, c.s_q = p.s_q, c.h_q = p.h_q;
-  c.split = p.split;
-  c.o = p.o;
-  c.attn_sink = p.attn_sink;
-  return combine(c, stream, /*pdl=*/true);
+  return combine(combine_params(p.b, p.s_q, p.h_q, p.split, p.o, p.attn_sink), stream, /*pdl=*/true);
 }
 
 }  // namespace mla::cuda

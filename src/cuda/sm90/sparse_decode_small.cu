@@ -195,30 +195,9 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_small_kernel(const 
           if (h >= p.h_q) continue;
           const float l = sm.warp_sum[0][h] + sm.warp_sum[1][h] + sm.warp_sum[2][h] + sm.warp_sum[3][h];
           const float m = m_run[n][e];
-          if (pc.is_split) {
-            if (pc.split_index < 0 || pc.split_index >= p.b + p.split.num_sm_parts) continue;
-            const int64_t row = (int64_t(pc.split_index) * p.s_q + s) * p.h_q + h;
-            const float inv = l > 0.f ? 1.f / l : 0.f;
-            float* dst = p.split.o_accum + row * kHeadDimV;
-#pragma unroll
-            for (int mt = 0; mt < kVTiles; ++mt)
-#pragma unroll
-              for (int hk = 0; hk < 2; ++hk) dst[mt * 64 + key_lo + 8 * hk] = o[mt][4 * n + 2 * hk + e] * inv;
-            if (warp == 0 && g == 0) p.split.lse_accum[row] = l > 0.f ? log2f(l) + m : -INFINITY;
-          } else {
-            const float sink = p.attn_sink ? p.attn_sink[h] : -INFINITY;
-            const float inv = l > 0.f ? 1.f / (l + exp2f(sink * kLog2e - m)) : 0.f;
-            auto* dst = static_cast<__nv_bfloat16*>(p.o.out) + i * p.o.out_stride_b + s * p.o.out_stride_s +
-                        h * p.o.out_stride_h;
-#pragma unroll
-            for (int mt = 0; mt < kVTiles; ++mt)
-#pragma unroll
-              for (int hk = 0; hk < 2; ++hk)
-                dst[mt * 64 + key_lo + 8 * hk] = __float2bfloat16_rn(o[mt][4 * n + 2 * hk + e] * inv);
-            if (warp == 0 && g == 0)
-              p.o.lse[i * p.o.lse_stride_b + s * p.o.lse_stride_s + h * p.o.lse_stride_h] =
-                  l > 0.f ? (log2f(l) + m) * kLn2 : INFINITY;
-          }
+          const float sink = p.attn_sink ? p.attn_sink[h] : -INFINITY;
+          small_store_column<__nv_bfloat16, N>(p.o, p.split, p.b, p.s_q, p.h_q, i, pc.is_split, pc.split_index, s, h,
+                                               o, n, e, key_lo, m, l, sink, warp == 0 && g == 0);
         }
     }
   }
@@ -247,12 +226,7 @@ cudaError_t sm90_sparse_decode_small(const SparseDecodeParams& p, cudaStream_t s
   else
     err = p.h_q <= 16 ? launch<KvFormat::kModel1, 16>(p, stream) : launch<KvFormat::kModel1, 32>(p, stream);
   if (err != cudaSuccess) return err;
-  CombineParams c;
-  c.b = p.b, c.s_q = p.s_q, c.h_q = p.h_q;
-  c.split = p.split;
-  c.o = p.o;
-  c.attn_sink = p.attn_sink;
-  return combine(c, stream, /*pdl=*/true);
+  return combine(combine_params(p.b, p.s_q, p.h_q, p.split, p.o, p.attn_sink), stream, /*pdl=*/true);
 }
 
 }  // namespace mla::cuda
