@@ -45,6 +45,13 @@ __device__ __forceinline__ int dense_page(const DenseDecodeParams& p, const int3
   return pg < 0 || pg >= p.num_blocks ? p.num_blocks : pg;
 }
 
+// Whether every row of a [b, s, h, d] tensor of 16-bit elements with these strides (in elements)
+// starts 16-byte aligned, as stage_rows' copies need.
+__device__ __forceinline__ bool rows_16b_aligned(const void* base, int64_t stride_b, int64_t stride_s,
+                                                 int64_t stride_h) {
+  return ((reinterpret_cast<uintptr_t>(base) | uintptr_t((stride_b | stride_s | stride_h) * 2)) & 15) == 0;
+}
+
 // kRows rows of D elements into kRows x 64 tiles (tile t at q_tiles + t * kRows * 128, 128-byte
 // swizzle): row_src(r) is row r's first element, or nullptr for a row past the call's rows (zero);
 // row 0 is always live.
@@ -91,7 +98,7 @@ __device__ __forceinline__ void stage_q(const DenseDecodeParams& p, int req, int
                                         int tid, int threads) {
   const int hpg = p.h_q / p.h_k, num_rows = p.s_q * hpg;
   const T* q = static_cast<const T*>(p.q);
-  const bool vec = ((reinterpret_cast<uintptr_t>(q) | (p.q_stride_b | p.q_stride_s | p.q_stride_h) * 2) & 15) == 0;
+  const bool vec = rows_16b_aligned(q, p.q_stride_b, p.q_stride_s, p.q_stride_h);
   stage_rows<T, D, kRows>(
       [&](int r) -> const T* {
         const int row = row_base + r;

@@ -139,16 +139,8 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_small_kernel(const _
     // The last key position row r may see (bottom-right causal for s_q > 1): r / hpg + causal_shift.
     const bool causal = p.causal && p.s_q > 1;
     const int causal_shift = len - p.s_q;
-    float m_run[kNT][2], l_part[kNT][2];
-#pragma unroll
-    for (int n = 0; n < kNT; ++n)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) m_run[n][e] = -INFINITY, l_part[n][e] = 0.f;
-    float o[kVTiles][N / 2];
-#pragma unroll
-    for (int mt = 0; mt < kVTiles; ++mt)
-#pragma unroll
-      for (int j = 0; j < N / 2; ++j) o[mt][j] = 0.f;
+    float m_run[kNT][2], l_part[kNT][2], o[kVTiles][N / 2];
+    small_start<N>(m_run, l_part, o);
 
     int pg_cur = n_blocks > 0 ? page_of(block_begin) : p.num_blocks;
     int pg_next = n_blocks > 1 ? page_of(block_begin + 1) : p.num_blocks;

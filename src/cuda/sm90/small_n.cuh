@@ -55,6 +55,20 @@ __device__ __forceinline__ void small_qk(const KTile& k_tile, const uint8_t (*q)
   fence_regs(s);
 }
 
+// A piece's starting state: running maxima -inf, partial sums and O^T zero.
+template <int N>
+__device__ __forceinline__ void small_start(float (&m_run)[N / 8][2], float (&l_part)[N / 8][2],
+                                            float (&o)[kSmallVTiles][N / 2]) {
+#pragma unroll
+  for (int n = 0; n < N / 8; ++n)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) m_run[n][e] = -INFINITY, l_part[n][e] = 0.f;
+#pragma unroll
+  for (int mt = 0; mt < kSmallVTiles; ++mt)
+#pragma unroll
+    for (int j = 0; j < N / 2; ++j) o[mt][j] = 0.f;
+}
+
 // valid(key, column): whether key (0..63 in the block) counts for column (row or head).
 template <int N, typename Valid>
 __device__ __forceinline__ void small_mask_max(float (&s)[N / 2], float scale_log2, const Valid& valid,

@@ -84,22 +84,6 @@ struct Smem {
   uint64_t full[2], empty[2];
 };
 
-// The CTA's blocks in order, across its pieces, as the producer walks them.
-struct BlockWalk {
-  int num_pieces, k = -1, i = 0, blk = 0, blk_end = 0;
-  __device__ bool advance(const SparseDecodeParams& p, const DecodePlanParams& plan, int part) {
-    ++blk;
-    while (blk >= blk_end) {
-      if (++k >= num_pieces) return false;
-      const PlanPiece pc = decode_io::piece(p.split, plan, part, k);
-      i = __shfl_sync(0xffffffffu, pc.req, 0);
-      blk = __shfl_sync(0xffffffffu, pc.block_begin, 0);
-      blk_end = __shfl_sync(0xffffffffu, pc.block_end, 0);
-    }
-    return true;
-  }
-};
-
 #if defined(MLA_SM90A_DEVICE)
 
 template <int kRegs>
@@ -109,9 +93,6 @@ __device__ __forceinline__ void set_max_regs_inc() {
 template <int kRegs>
 __device__ __forceinline__ void set_max_regs_dec() {
   asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs));
-}
-__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
 }
 
 // Warpgroup kWg (0 or 1) of the consumers: the CTA's pieces, block by block, then each piece's
@@ -132,7 +113,7 @@ __device__ __forceinline__ void consume(const SparseDecodeParams& p, Smem<Sparse
   }
   total_blocks = __shfl_sync(0xffffffffu, total_blocks, 0);
   const auto* q = reinterpret_cast<const __nv_bfloat16*>(p.q);
-  const bool q_vec = ((reinterpret_cast<uintptr_t>(q) | (p.q_stride_b | p.q_stride_s | p.q_stride_h) * 2) & 15) == 0;
+  const bool q_vec = rows_16b_aligned(q, p.q_stride_b, p.q_stride_s, p.q_stride_h);
 
   uint32_t count = 0;  // blocks consumed so far
   for (int k = 0; k < num_pieces; ++k) {

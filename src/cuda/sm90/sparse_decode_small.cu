@@ -96,32 +96,20 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_small_kernel(const 
     // The records of the next block are loaded into registers before this block is dequantised
     // and stored, so one block's loads are always in flight behind the conversion work.
     const int t = wtid / 2, half = wtid % 2;  // token of the block, half of its dims
-    // The CTA's blocks in order, across pieces: (piece k, its request, plan block blk).
-    int k = 0, i = 0, blk = 0, blk_end = 0;
-    auto advance = [&]() {  // to the next block; false past the last one
-      ++blk;
-      while (blk >= blk_end) {
-        if (++k >= num_pieces) return false;
-        const PlanPiece pc = decode_io::piece(p.split, plan, part, k);
-        i = __shfl_sync(0xffffffffu, pc.req, 0);
-        blk = __shfl_sync(0xffffffffu, pc.block_begin, 0);
-        blk_end = __shfl_sync(0xffffffffu, pc.block_end, 0);
-      }
-      return true;
-    };
-    k = -1, blk = 0, blk_end = 0;
-    bool have = advance();
-    TokenPart<F, 2> cur = have ? load_token_part<F, 2>(locate_token(p, plan, i, s, blk, t), half) : TokenPart<F, 2>{};
+    BlockWalk walk{num_pieces};
+    bool have = walk.advance(p, plan, part);
+    TokenPart<F, 2> cur =
+        have ? load_token_part<F, 2>(locate_token(p, plan, walk.i, s, walk.blk, t), half) : TokenPart<F, 2>{};
     while (have) {
       const int buf = block_count & 1;
-      const bool have_next = advance();
+      const bool have_next = walk.advance(p, plan, part);
       const TokenPart<F, 2> next =
-          have_next ? load_token_part<F, 2>(locate_token(p, plan, i, s, blk, t), half) : TokenPart<F, 2>{};
+          have_next ? load_token_part<F, 2>(locate_token(p, plan, walk.i, s, walk.blk, t), half) : TokenPart<F, 2>{};
       mbar_wait(&sm.empty[buf], ((block_count / 2) & 1) ^ 1);
       store_token_part<F, 2>(cur, sm.k[buf], t, half);
       if (half == 0) sm.valid[buf][t] = cur.ok;
       fence_proxy_async();
-      asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(&sm.full[buf])) : "memory");
+      mbar_arrive(&sm.full[buf]);
       ++block_count;
       cur = next;
       have = have_next;
@@ -130,6 +118,8 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_small_kernel(const 
     // ---- consumer: S^T, softmax, O^T -----------------------------------------------------------
     const float scale_log2 = p.softmax_scale * kLog2e;
     const int key_lo = warp * 16 + g;
+    const auto* q = reinterpret_cast<const __nv_bfloat16*>(p.q);
+    const bool q_vec = rows_16b_aligned(q, p.q_stride_b, p.q_stride_s, p.q_stride_h);
     for (int k = 0; k < num_pieces; ++k) {
       const PlanPiece pc = decode_io::piece(p.split, plan, part, k);
       const int i = __shfl_sync(0xffffffffu, pc.req, 0);
@@ -138,35 +128,15 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_small_kernel(const 
 
       // Q of this query token -> shared memory (N heads; heads past h_q zero).
       named_sync(1, 128);  // the previous piece is done with Q
-      {
-        const auto* q = reinterpret_cast<const __nv_bfloat16*>(p.q);
-        constexpr int kChunks = D / 8;
-        for (int c = wtid; c < N * kChunks; c += 128) {
-          const int h = c / kChunks, ch = c % kChunks;
-          uint4 v = make_uint4(0, 0, 0, 0);
-          if (h < p.h_q) {
-            const __nv_bfloat16* src = q + i * p.q_stride_b + s * p.q_stride_s + h * p.q_stride_h + ch * 8;
-            uint16_t e[8];
-            for (int j = 0; j < 8; ++j) e[j] = reinterpret_cast<const uint16_t*>(src)[j];
-            v = make_uint4(e[0] | uint32_t(e[1]) << 16, e[2] | uint32_t(e[3]) << 16, e[4] | uint32_t(e[5]) << 16,
-                           e[6] | uint32_t(e[7]) << 16);
-          }
-          *reinterpret_cast<uint4*>(sm.q[ch / 8] + sparse_chunk_at(h, ch % 8)) = v;
-        }
-        fence_proxy_async();
-      }
+      stage_rows<__nv_bfloat16, D, N>(
+          [&](int h) -> const __nv_bfloat16* {
+            return h < p.h_q ? q + i * p.q_stride_b + s * p.q_stride_s + h * p.q_stride_h : nullptr;
+          },
+          q_vec, sm.q[0], wtid, 128);
       named_sync(1, 128);
 
-      float m_run[kNT][2], l_part[kNT][2];
-#pragma unroll
-      for (int n = 0; n < kNT; ++n)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) m_run[n][e] = -INFINITY, l_part[n][e] = 0.f;
-      float o[kVTiles][N / 2];
-#pragma unroll
-      for (int mt = 0; mt < kVTiles; ++mt)
-#pragma unroll
-        for (int j = 0; j < N / 2; ++j) o[mt][j] = 0.f;
+      float m_run[kNT][2], l_part[kNT][2], o[kVTiles][N / 2];
+      small_start<N>(m_run, l_part, o);
 
       for (int blk = block_begin; blk < block_end; ++blk, ++block_count) {
         const int buf = block_count & 1;
@@ -181,7 +151,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_small_kernel(const 
         named_sync(1, 128);  // P complete; every thread has read warp_max
         small_pv<__nv_bfloat16, N>([&](int t) { return sm.k[buf][t]; }, sm.p, o);
         // The buffer (and its validity flags) go back to the producer.
-        asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(&sm.empty[buf])) : "memory");
+        mbar_arrive(&sm.empty[buf]);
       }
 
       // ---- epilogue ----------------------------------------------------------------------------

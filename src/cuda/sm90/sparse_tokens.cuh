@@ -8,6 +8,7 @@
 
 #include <cstdint>
 
+#include "../common/decode_io.cuh"
 #include "../common/fp8.cuh"
 #include "mla/params.h"
 #include "mla/plan.h"
@@ -42,6 +43,24 @@ __device__ __forceinline__ TokenRef locate_token(const SparseDecodeParams& p, co
   const int slot = src.slot0 + t;
   return {src.cache, slot < src.len ? int64_t(src.indices[slot]) : int64_t(-1)};
 }
+
+// A CTA's blocks in order, across its part's pieces, as a producer walks them: request i, plan
+// block blk. advance() moves to the next block (the first one from the initial state) and says
+// whether there is one; every thread of a warp calls it together.
+struct BlockWalk {
+  int num_pieces, k = -1, i = 0, blk = 0, blk_end = 0;
+  __device__ bool advance(const SparseDecodeParams& p, const DecodePlanParams& plan, int part) {
+    ++blk;
+    while (blk >= blk_end) {
+      if (++k >= num_pieces) return false;
+      const PlanPiece pc = decode_io::piece(p.split, plan, part, k);
+      i = __shfl_sync(0xffffffffu, pc.req, 0);
+      blk = __shfl_sync(0xffffffffu, pc.block_begin, 0);
+      blk_end = __shfl_sync(0xffffffffu, pc.block_end, 0);
+    }
+    return true;
+  }
+};
 
 // Part `part` of kParts of a token's record as loaded. The parts interleave by 16-byte chunk
 // (chunk c of the part is chunk c * kParts + part of the record), so the kParts threads of a token
