@@ -16,6 +16,25 @@ namespace mla::cuda::sm90 {
 
 // A plan piece of a dense call, clamped to the request's blocks. Every field is the same in all
 // threads and goes through a shuffle, so the compiler knows it warp-uniform (a wgmma under a branch
+// A dense Hopper kernel's arguments: the cache as a tensor map ([num_blocks, page 64, h_k, D]
+// elements, 64 x 64 boxes) and the call.
+struct DenseArgs {
+  CUtensorMap kmap;
+  DenseDecodeParams p;
+};
+
+#if defined(MLA_SM90A_DEVICE)
+// Tiles [t0, t1) (64 columns each) of the 64-key block in page `page` of KV head `group`, by TMA
+// into tiles[t], each completing on full[t].
+__device__ __forceinline__ void issue_key_tiles(uint8_t (*tiles)[64 * 128], uint64_t* full, const CUtensorMap* map,
+                                                int page, int group, int t0, int t1, uint64_t policy) {
+  for (int t = t0; t < t1; ++t) {
+    mbar_expect_tx(&full[t], 64 * 128);
+    tma_load_4d(tiles[t], map, &full[t], t * 64, group, 0, page, policy);
+  }
+}
+#endif  // MLA_SM90A_DEVICE
+
 // it cannot prove uniform gets serialised).
 struct DensePiece {
   int req, len, block_begin, n_blocks;

@@ -93,21 +93,7 @@ struct Smem {
   __device__ uint8_t* p(int buf) { return kPInRope ? k[buf][kTiles - 1] : p_own[buf]; }
 };
 
-struct Args {
-  CUtensorMap kmap;  // the cache as [num_blocks, page 64, h_k, D] elements, 64 x 64 boxes
-  DenseDecodeParams p;
-};
-
 #if defined(MLA_SM90A_DEVICE)
-
-template <int D>
-__device__ __forceinline__ void issue_tiles(Smem<D>& sm, const Args& a, int buf, int page, int group, int t_begin,
-                                            int t_end, uint64_t policy) {
-  for (int t = t_begin; t < t_end; ++t) {
-    mbar_expect_tx(&sm.full[buf][t], kTileBytes);
-    tma_load_4d(sm.k[buf][t], &a.kmap, &sm.full[buf][t], t * kTileCols, group, 0, page, policy);
-  }
-}
 
 // Issues S (+)= Q K^T over tiles [t0, t1) of buffer `buf`, each tile once its TMA has landed, as
 // one wgmma group (the first tile of a block overwrites S). kLateFirstHalf: visit the tiles from the
@@ -145,7 +131,7 @@ __device__ __forceinline__ void zero_v_tail(Smem<D>& sm, int buf, int t0, int va
 #endif  // MLA_SM90A_DEVICE
 
 template <typename T, int D>
-__global__ void __launch_bounds__(kThreads, 1) dense_decode_kernel(const __grid_constant__ Args args) {
+__global__ void __launch_bounds__(kThreads, 1) dense_decode_kernel(const __grid_constant__ DenseArgs args) {
 #if defined(MLA_SM90A_DEVICE)
   using SmemT = Smem<D>;
   constexpr int kTiles = SmemT::kTiles;
@@ -165,6 +151,10 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_kernel(const __grid_
   const DecodePlanParams plan = dense_plan_params(p);
   const float scale_log2 = p.softmax_scale * kLog2e;
   const uint64_t policy = evict_first_policy();
+  // Tiles [t0, t1) of the 64-key block in `page` into key buffer `buf` (one thread issues).
+  auto load_tiles = [&](int buf, int page, int t0, int t1) {
+    issue_key_tiles(sm.k[buf], sm.full[buf], &args.kmap, page, group, t0, t1, policy);
+  };
 
   if (tid == 0) {
     for (int b = 0; b < 2; ++b)
@@ -190,8 +180,8 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_kernel(const __grid_
     __syncthreads();
 
     if (tid == 0) {
-      if (n_blocks > 0) issue_tiles(sm, args, 0, page_of(block_begin), group, 0, kTiles, policy);
-      if (n_blocks > 1) issue_tiles(sm, args, 1, page_of(block_begin + 1), group, 0, kTiles, policy);
+      if (n_blocks > 0) load_tiles(0, page_of(block_begin), 0, kTiles);
+      if (n_blocks > 1) load_tiles(1, page_of(block_begin + 1), 0, kTiles);
     }
 
     // The last key position each row may see (bottom-right causal for s_q > 1).
@@ -284,7 +274,7 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_kernel(const __grid_
 
         // ---- WG1 published m1 and s1: P0 s1 for its O_R += P0 V0R ----------------------------
         named_sync(kBarP1, kThreads);
-        if (wtid == 0 && next0) issue_tiles(sm, args, 0, nxt0, group, 0, kVTilesPerWg, policy);
+        if (wtid == 0 && next0) load_tiles(0, nxt0, 0, kVTilesPerWg);
         float s1[2];
 #pragma unroll
         for (int h = 0; h < 2; ++h) s1[h] = sm.s1[rr[h]], m_prev[h] = sm.m[rr[h]];
@@ -316,8 +306,8 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_kernel(const __grid_
           fence_regs(o);
           // K1's V1L tiles (and, at D = 576, P1 in its RoPE tile) are free.
           if (wtid == 0 && next1) {
-            issue_tiles(sm, args, 1, nxt1, group, 0, kVTilesPerWg, policy);
-            if (kTiles > 2 * kVTilesPerWg) issue_tiles(sm, args, 1, nxt1, group, 2 * kVTilesPerWg, kTiles, policy);
+            load_tiles(1, nxt1, 0, kVTilesPerWg);
+            if (kTiles > 2 * kVTilesPerWg) load_tiles(1, nxt1, 2 * kVTilesPerWg, kTiles);
           }
         }
         if (next0) qk_issue<T, D>(sm, 0, parity(0, jp + 1), kVTilesPerWg, kTiles, s);
@@ -363,7 +353,7 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_kernel(const __grid_
           // waiting for WG0, so that they land before this warpgroup's next S needs them.
           wgmma_wait<0>();
           fence_regs(o);
-          if (wtid == 0 && next1) issue_tiles(sm, args, 1, nxt1, group, kVTilesPerWg, 2 * kVTilesPerWg, policy);
+          if (wtid == 0 && next1) load_tiles(1, nxt1, kVTilesPerWg, 2 * kVTilesPerWg);
         }
         named_sync(kBarP0, kThreads);
         for (int t = kVTilesPerWg; t < 2 * kVTilesPerWg; ++t) mbar_wait(&sm.full[0][t], parity(0, jp));
@@ -373,7 +363,7 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_kernel(const __grid_
         wgmma_wait<0>();
         fence_regs(o);
         // K0's V0R tiles (and, at D = 576, P0 in its RoPE tile) are free.
-        if (wtid == 0 && next0) issue_tiles(sm, args, 0, nxt0, group, kVTilesPerWg, kTiles, policy);
+        if (wtid == 0 && next0) load_tiles(0, nxt0, kVTilesPerWg, kTiles);
         if (next1) {
           qk_issue<T, D, true>(sm, 1, parity(1, jp + 1), 0, kTiles, s);
           wgmma_wait<0>();
@@ -415,7 +405,7 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_kernel(const __grid_
 
 template <typename T, int D>
 cudaError_t launch(const DenseDecodeParams& p, cudaStream_t stream) {
-  Args args;
+  DenseArgs args;
   args.p = p;
   const cudaError_t enc = encode_kv_tensor_map<T>(&args.kmap, p, D);
   if (enc != cudaSuccess) return enc;

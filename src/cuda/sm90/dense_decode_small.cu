@@ -66,27 +66,9 @@ struct Smem {
   uint64_t full[2][kTiles];
 };
 
-struct Args {
-  CUtensorMap kmap;  // the cache as [num_blocks, page 64, h_k, D] elements, 64 x 64 boxes
-  DenseDecodeParams p;
-};
-
-
-#if defined(MLA_SM90A_DEVICE)
-
-template <int D, int N>
-__device__ __forceinline__ void issue_tiles(Smem<D, N>& sm, const Args& a, int buf, int page, int group, int t0,
-                                            int t1, uint64_t policy) {
-  for (int t = t0; t < t1; ++t) {
-    mbar_expect_tx(&sm.full[buf][t], kTileBytes);
-    tma_load_4d(sm.k[buf][t], &a.kmap, &sm.full[buf][t], t * kTileCols, group, 0, page, policy);
-  }
-}
-
-#endif  // MLA_SM90A_DEVICE
 
 template <typename T, int D, int N>
-__global__ void __launch_bounds__(kThreads, 1) dense_decode_small_kernel(const __grid_constant__ Args args) {
+__global__ void __launch_bounds__(kThreads, 1) dense_decode_small_kernel(const __grid_constant__ DenseArgs args) {
 #if defined(MLA_SM90A_DEVICE)
   using SmemT = Smem<D, N>;
   constexpr int kTiles = SmemT::kTiles;
@@ -104,6 +86,10 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_small_kernel(const _
   const DecodePlanParams plan = dense_plan_params(p);
   const float scale_log2 = p.softmax_scale * kLog2e;
   const uint64_t policy = evict_first_policy();
+  // Tiles [t0, t1) of the 64-key block in `page` into key buffer `buf` (one thread issues).
+  auto load_tiles = [&](int buf, int page, int t0, int t1) {
+    issue_key_tiles(sm.k[buf], sm.full[buf], &args.kmap, page, group, t0, t1, policy);
+  };
   // This thread's accumulator coordinates: keys (S^T) or dims within a 64-dim tile (O^T)
   // 16 warp + g and + 8; rows (columns) 8 n + 2 t4 and + 1 for n < kNT.
   const int key_lo = warp * 16 + g;
@@ -127,8 +113,8 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_small_kernel(const _
 
     // Both buffers are free: the first two blocks' loads go out before Q is staged.
     if (tid == 0) {
-      if (n_blocks > 0) issue_tiles(sm, args, 0, page_of(block_begin), group, 0, kTiles, policy);
-      if (n_blocks > 1) issue_tiles(sm, args, 1, page_of(block_begin + 1), group, 0, kTiles, policy);
+      if (n_blocks > 0) load_tiles(0, page_of(block_begin), 0, kTiles);
+      if (n_blocks > 1) load_tiles(1, page_of(block_begin + 1), 0, kTiles);
     }
 
     // ---- Q -> shared memory (N rows, swizzled; rows past the live rows zero) ------------------
@@ -156,7 +142,7 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_small_kernel(const _
       for (int t = 0; t < kTiles; ++t) mbar_wait(&sm.full[buf][t], parity);
       small_qk<T, N, kTiles>([&](int t) { return sm.k[buf][t]; }, sm.q, sc);
       // The RoPE tile (D = 576) only feeds S: reload it with the block after next now.
-      if (tid == 0 && reload && kTiles > kVTiles) issue_tiles(sm, args, buf, pg_reload, group, kVTiles, kTiles, policy);
+      if (tid == 0 && reload && kTiles > kVTiles) load_tiles(buf, pg_reload, kVTiles, kTiles);
 
       // ---- mask (length, invalid page, causal), column maxima --------------------------------
       const bool pg_ok = pg_cur != p.num_blocks;
@@ -179,7 +165,7 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_small_kernel(const _
       small_softmax<T, N>(sc, sm.warp_max, m_run, l_part, o, sm.p, warp, lane);
       __syncthreads();  // P complete; every thread has read warp_max
       small_pv<T, N>([&](int t) { return sm.k[buf][t]; }, sm.p, o);
-      if (tid == 0 && reload) issue_tiles(sm, args, buf, pg_reload, group, 0, kVTiles, policy);
+      if (tid == 0 && reload) load_tiles(buf, pg_reload, 0, kVTiles);
       pg_cur = pg_next;
       pg_next = pg_reload;
     }
@@ -209,7 +195,7 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_small_kernel(const _
 
 template <typename T, int D, int N>
 cudaError_t launch(const DenseDecodeParams& p, cudaStream_t stream) {
-  Args args;
+  DenseArgs args;
   args.p = p;
   const cudaError_t enc = encode_kv_tensor_map<T>(&args.kmap, p, D);
   if (enc != cudaSuccess) return enc;
