@@ -29,6 +29,7 @@ CASES = {
     "model1_h96_extra_pg256": ("model1", 2, 2, 96, 300, 128, 256, True, (200, 1024, 64, True), "finite", 0.0, True),
     "model1_h48_pg16": ("model1", 3, 1, 48, 500, 300, 16, False, (64, 7, 2, False), "neginf", 0.1, False),
     "model1_h128_topk2048": ("model1", 1, 2, 128, 8192, 2048, 64, True, None, "mixed", 0.0, False),
+    "v32_h100_sq2_extra": ("v32", 2, 2, 100, 600, 320, 16, True, (90, 64, 1, True), "finite", 0.05, False),
 }
 
 

@@ -128,20 +128,25 @@ __device__ __forceinline__ void stage_q(const DenseDecodeParams& p, int req, int
 }
 
 // Launches kernel<<<grid, threads, smem, stream>>>(args) as a programmatic dependent of the work
-// before it on the stream (the kernel waits with griddepcontrol.wait before reading its inputs).
+// before it on the stream (the kernel waits with griddepcontrol.wait before reading its inputs), in
+// clusters of cluster_x CTAs along x when cluster_x > 1.
 template <typename Args>
 cudaError_t launch_dependent(void (*kernel)(Args), dim3 grid, int threads, int smem, cudaStream_t stream,
-                             const Args& args) {
-  cudaLaunchAttribute attr[1];
+                             const Args& args, int cluster_x = 1) {
+  cudaLaunchAttribute attr[2];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
+  attr[1].id = cudaLaunchAttributeClusterDimension;
+  attr[1].val.clusterDim.x = unsigned(cluster_x);
+  attr[1].val.clusterDim.y = 1;
+  attr[1].val.clusterDim.z = 1;
   cudaLaunchConfig_t config = {};
   config.gridDim = grid;
   config.blockDim = dim3(unsigned(threads));
   config.dynamicSmemBytes = size_t(smem);
   config.stream = stream;
   config.attrs = attr;
-  config.numAttrs = 1;
+  config.numAttrs = cluster_x > 1 ? 2 : 1;
   return cudaLaunchKernelEx(&config, kernel, args);
 }
 

@@ -95,6 +95,49 @@ __device__ __forceinline__ void cp_async_16(void* dst, const void* src, uint32_t
 }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 
+// ---- thread-block clusters ------------------------------------------------------------------------
+
+__device__ __forceinline__ int cluster_rank() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+  return int(r);
+}
+// Every thread of every CTA of the cluster arrives and waits; what each wrote before (shared memory
+// of any CTA of the cluster included) is visible to all after.
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+// The generic address of the same shared-memory location in CTA `rank` of the cluster.
+template <typename T>
+__device__ __forceinline__ T* peer_ptr(T* p, int rank) {
+  uint64_t out;
+  asm volatile("mapa.u64 %0, %1, %2;\n" : "=l"(out) : "l"(reinterpret_cast<uint64_t>(p)), "r"(rank));
+  return reinterpret_cast<T*>(out);
+}
+// One arrival, with release semantics at cluster scope, on the same mbarrier in CTA `rank`.
+__device__ __forceinline__ void mbar_arrive_cluster(uint64_t* bar, int rank) {
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(smem_addr(bar)), "r"(rank));
+  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(remote) : "memory");
+}
+// Waits for the phase with the given parity, acquiring at cluster scope (the arrivals came from
+// threads of other CTAs of the cluster too).
+__device__ __forceinline__ void mbar_wait_cluster(uint64_t* bar, uint32_t parity) {
+  const uint32_t addr = smem_addr(bar);
+  asm volatile(
+      "{\n"
+      ".reg .pred done;\n"
+      "WAIT_%=:\n"
+      "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT_%=;\n"
+      "}\n" ::"r"(addr),
+      "r"(parity)
+      : "memory");
+}
+// Ordinary writes to shared memory of any CTA of the cluster (and to global memory) become visible
+// to the async proxy.
+__device__ __forceinline__ void fence_proxy_async_cluster() { asm volatile("fence.proxy.async;\n" ::: "memory"); }
+
 // ---- wgmma ----------------------------------------------------------------------------------------
 
 __device__ __forceinline__ uint64_t smem_desc(const void* tile, uint32_t lbo_bytes, uint32_t sbo_bytes) {

@@ -6,11 +6,15 @@
 //
 // Schedule (384 threads = three warpgroups, one CTA per (64-head tile, query token s, plan part),
 // persistent over the part's pieces; one CTA per SM):
-//   * warpgroup 2 produces (setmaxnreg 136): per 64-slot block, two rounds of 32 tokens, four
-//     threads per token, each loading every fourth 16-byte chunk of the FP8 record (8-byte loads for
+//   * warpgroup 2 produces (setmaxnreg 136): per 64-slot block, rounds of 32 tokens, four threads
+//     per token, each loading every fourth 16-byte chunk of the FP8 record (8-byte loads for
 //     MODEL1) one round ahead of its dequantisation (e4m3 * scale -> bf16, RoPE copied) into a
 //     64 x D key buffer in the 128-byte swizzle, with a validity flag per token; two buffers handed
-//     over with full / empty mbarriers;
+//     over with full / empty mbarriers (one arrival per warp);
+//   * with 65 to 128 heads the token's two 64-head CTAs form a cluster: each producer takes one of
+//     the two rounds of every block and stores it into both CTAs' buffers (distributed shared
+//     memory), so each CTA dequantises half of what it multiplies (FlashMLA's crossover); the
+//     barriers count both CTAs' warps, at cluster scope;
 //   * warpgroup 0 (setmaxnreg 208): S = Q K^T (64 heads x 64 tokens, wgmma m64n64k16 over the D / 64
 //     tiles), invalid tokens masked, online softmax (running max and sum per head in registers),
 //     P to shared memory with the rescale factor of each head, then O[:, 0:256] = O a + P V_L with
@@ -18,16 +22,14 @@
 //   * warpgroup 1 (setmaxnreg 160): O[:, 256:512] = O a + P V_R with P from shared memory;
 //   * named barriers order P: warpgroup 0 writes a block's P and factors once warpgroup 1 is done
 //     with the previous block's ("P free"), and warpgroup 1 multiplies once they are written ("P
-//     ready"); both warpgroups return a buffer to the producer once their products are done;
+//     ready"); every consumer warp returns a buffer to the producers once its product is done;
 //   * epilogue: O / (l + exp2(sink - m)) to out / lse for whole pieces, fp32 partials for split
 //     ones (the combine kernel applies the sink), each warpgroup its 256 columns.
 // Tile sizes: 64 heads, 64-token blocks, two bf16 key buffers (144 KB at d_qk 576) + Q (72 KB) +
 // P (8 KB); wgmma m64n64k16 (S) and m64n256k16 (P V).
 // Reached on an H200 (bench/RESULTS.md, FlashMLA in the same run): V3.2 b=128 h_q=128 topk 2048
 // 515.4 us (FlashMLA 196.8 us; the portable kernel 1293.7), s_q=2 982.8 us (358.3); MODEL1 b=128
-// h_q=128 mixed with sink 203.7 us (105.4). What FlashMLA has and this kernel not yet: the two
-// 64-head CTAs of a 128-head token dequantise half a block each and share it through distributed
-// shared memory (a cluster of two), halving the dequantisation per CTA, which bounds this kernel.
+// h_q=128 mixed with sink 203.7 us (105.4), all before the cluster crossover (not yet measured).
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -97,13 +99,14 @@ __device__ __forceinline__ void set_max_regs_dec() {
 
 // Warpgroup kWg (0 or 1) of the consumers: the CTA's pieces, block by block, then each piece's
 // epilogue for this warpgroup's 256 output columns.
-template <KvFormat F, int kWg>
+template <KvFormat F, int kWg, int kPeers>
 __device__ __forceinline__ void consume(const SparseDecodeParams& p, Smem<SparseFormat<F>::kD>& sm,
                                         const DecodePlanParams& plan, int num_pieces, int row_base, int s, int part,
                                         int wtid) {
   constexpr int D = SparseFormat<F>::kD;
   constexpr int kTiles = Smem<D>::kTiles;
   const int warp = wtid / 32, lane = wtid % 32, g = lane / 4, t4 = lane % 4;
+  const int peer = kPeers > 1 ? cluster_rank() ^ 1 : 0;
   const float scale_log2 = p.softmax_scale * kLog2e;
   const int rr[2] = {warp * 16 + g, warp * 16 + g + 8};  // this thread's two rows (heads) of the tile
   int total_blocks = 0;  // the CTA's blocks over all its pieces (for the P barriers' first / last)
@@ -140,7 +143,8 @@ __device__ __forceinline__ void consume(const SparseDecodeParams& p, Smem<Sparse
 
     for (int j = 0; j < n_blocks; ++j, ++count) {
       const int buf = count & 1;
-      mbar_wait(&sm.full[buf], (count / 2) & 1);
+      if constexpr (kPeers > 1) mbar_wait_cluster(&sm.full[buf], (count / 2) & 1);
+      else mbar_wait(&sm.full[buf], (count / 2) & 1);
       if constexpr (kWg == 0) {
         // ---- S = Q K^T, masked; m, P, l -------------------------------------------------------
         float sc[32];
@@ -204,8 +208,13 @@ __device__ __forceinline__ void consume(const SparseDecodeParams& p, Smem<Sparse
         fence_regs(o);
         if (int(count) + 1 < total_blocks) named_arrive(kBarPFree, kConsumers);
       }
-      // This warpgroup is done with the buffer (and its validity flags).
-      mbar_arrive(&sm.empty[buf]);
+      // This warp is done with the buffer (and its validity flags), here and, with two CTAs, in the
+      // peer, whose producer fills this CTA's buffer too.
+      __syncwarp();
+      if (lane == 0) {
+        mbar_arrive(&sm.empty[buf]);
+        if constexpr (kPeers > 1) mbar_arrive_cluster(&sm.empty[buf], peer);
+      }
     }
 
     // ---- epilogue: warpgroup 0's final max and sum per head, each warpgroup its 256 columns ------
@@ -234,7 +243,7 @@ __device__ __forceinline__ void consume(const SparseDecodeParams& p, Smem<Sparse
 
 #endif  // MLA_SM90A_DEVICE
 
-template <KvFormat F>
+template <KvFormat F, int kPeers>
 __global__ void __launch_bounds__(kThreads, 1) sparse_decode_kernel(const __grid_constant__ SparseDecodeParams p) {
 #if defined(MLA_SM90A_DEVICE)
   using Fm = SparseFormat<F>;
@@ -248,77 +257,119 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_kernel(const __grid
   const int row_base = blockIdx.x * kBlockM, s = blockIdx.y, part = blockIdx.z;
   const DecodePlanParams plan = sparse_plan_params(p);
 
+  // full: every producer warp of every CTA that fills the buffer arrives once per block; empty:
+  // every consumer warp of every CTA that reads it.
   if (tid == 0) {
-    for (int b = 0; b < 2; ++b) mbar_init(&sm.full[b], 128), mbar_init(&sm.empty[b], kConsumers);
+    for (int b = 0; b < 2; ++b) mbar_init(&sm.full[b], 4 * kPeers), mbar_init(&sm.empty[b], 8 * kPeers);
     fence_barrier_init();
   }
-  __syncthreads();
+  if constexpr (kPeers > 1) cluster_sync();  // the peer's barriers exist before anything arrives on them
+  else __syncthreads();
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
   const int num_pieces = decode_io::num_pieces(p.split, p.b, part);
 
   if (wg == 2) {
     // ---- producer: gather, dequantise, store; the next round's records in flight ---------------
+    // Alone it covers both rounds of a block; with a peer CTA (the other 64 heads of the same
+    // token) each covers one round and stores it into both CTAs' buffers.
     set_max_regs_dec<kRegsProducer>();
+    constexpr int kMyRounds = 2 / kPeers;
+    const int rank = kPeers > 1 ? cluster_rank() : 0, peer = rank ^ 1;
+    auto round_of = [&](int r) { return kPeers > 1 ? rank : r; };
     const int tq = wtid / kTokenParts, tp = wtid % kTokenParts;  // token of the round, its part
+    auto* peer_k = kPeers > 1 ? peer_ptr(&sm.k[0], peer) : &sm.k[0];
+    auto* peer_valid = kPeers > 1 ? peer_ptr(&sm.valid[0], peer) : &sm.valid[0];
     BlockWalk walk{num_pieces};
     bool have = walk.advance(p, plan, part);
     using Part = TokenPart<F, kTokenParts>;
-    Part cur = have ? load_token_part<F, kTokenParts>(locate_token(p, plan, walk.i, s, walk.blk, tq), tp) : Part{};
+    auto load = [&](int round) {
+      return load_token_part<F, kTokenParts>(locate_token(p, plan, walk.i, s, walk.blk, round * kRoundTokens + tq), tp);
+    };
+    Part cur = have ? load(round_of(0)) : Part{};
     uint32_t count = 0;  // blocks handed over: buffer count % 2, phase (count / 2) % 2
-    int round = 0;
+    int r = 0;           // this producer's round of the block
     while (have) {
-      // The next round: this block's second, or the next block's first.
+      // The next round: this block's next, or the next block's first.
       bool have_next = true;
-      if (round == 1) have_next = walk.advance(p, plan, part);
-      const int next_token = (round ^ 1) * kRoundTokens + tq;
-      const Part next =
-          have_next ? load_token_part<F, kTokenParts>(locate_token(p, plan, walk.i, s, walk.blk, next_token), tp)
-                    : Part{};
+      if (r == kMyRounds - 1) have_next = walk.advance(p, plan, part);
+      const int r_next = (r + 1) % kMyRounds;
+      const Part next = have_next ? load(round_of(r_next)) : Part{};
       const int buf = count & 1;
-      if (round == 0) mbar_wait(&sm.empty[buf], ((count / 2) & 1) ^ 1);
-      const int t = round * kRoundTokens + tq;
-      store_token_part<F, kTokenParts>(cur, sm.k[buf], t, tp);
-      if (tp == 0) sm.valid[buf][t] = cur.ok;
-      if (round == 1) {
-        fence_proxy_async();
-        mbar_arrive(&sm.full[buf]);
+      if (r == 0) {
+        if constexpr (kPeers > 1) mbar_wait_cluster(&sm.empty[buf], ((count / 2) & 1) ^ 1);
+        else mbar_wait(&sm.empty[buf], ((count / 2) & 1) ^ 1);
+      }
+      const int t = round_of(r) * kRoundTokens + tq;
+      store_token_part<F, kTokenParts>(cur, t, tp, [&](int tile, int off, const uint4& v) {
+        *reinterpret_cast<uint4*>(sm.k[buf][tile] + off) = v;
+        if constexpr (kPeers > 1) *reinterpret_cast<uint4*>(peer_k[buf][tile] + off) = v;
+      });
+      if (tp == 0) {
+        sm.valid[buf][t] = cur.ok;
+        if constexpr (kPeers > 1) peer_valid[buf][t] = cur.ok;
+      }
+      if (r == kMyRounds - 1) {
+        // Each lane's stores reach the async proxy (wgmma), then one arrival per warp.
+        if constexpr (kPeers > 1) fence_proxy_async_cluster();
+        else fence_proxy_async();
+        __syncwarp();
+        if (wtid % 32 == 0) {
+          mbar_arrive(&sm.full[buf]);
+          if constexpr (kPeers > 1) mbar_arrive_cluster(&sm.full[buf], peer);
+        }
         ++count;
       }
       cur = next;
       have = have_next;
-      round ^= 1;
+      r = r_next;
     }
-    return;
-  }
-
-  // ---- consumers: each warpgroup its own code, so that each is compiled with its own registers ----
-  if (wg == 0) {
+  } else if (wg == 0) {
+    // ---- consumers: each warpgroup its own code, so that each is compiled with its own registers
     set_max_regs_inc<kRegsWg0>();
-    consume<F, 0>(p, sm, plan, num_pieces, row_base, s, part, wtid);
+    consume<F, 0, kPeers>(p, sm, plan, num_pieces, row_base, s, part, wtid);
   } else {
     set_max_regs_dec<kRegsWg1>();
-    consume<F, 1>(p, sm, plan, num_pieces, row_base, s, part, wtid);
+    consume<F, 1, kPeers>(p, sm, plan, num_pieces, row_base, s, part, wtid);
+  }
+  // No CTA leaves while its peer may still store into its shared memory or arrive on its barriers.
+  if constexpr (kPeers > 1) {
+    __syncwarp();
+    cluster_sync();
   }
 #endif  // MLA_SM90A_DEVICE
 }
 
 // ---- host side -------------------------------------------------------------------------------
 
-template <KvFormat F>
+template <KvFormat F, int kPeers>
 cudaError_t launch(const SparseDecodeParams& p, cudaStream_t stream) {
   constexpr int smem = int(sizeof(Smem<SparseFormat<F>::kD>)) + 1024;  // + alignment of the tiles to 1024 bytes
   static_assert(smem <= 227 * 1024, "Q, both key buffers and P fit the 227 KB an sm90 block may use");
-  const cudaError_t err = raise_smem_limit_once<sparse_decode_kernel<F>>(smem, "the sm90 sparse decode kernel");
+  const cudaError_t err =
+      raise_smem_limit_once<sparse_decode_kernel<F, kPeers>>(smem, "the sm90 sparse decode kernel");
   if (err != cudaSuccess) return err;
   const dim3 grid(unsigned(ceil_div(p.h_q, kBlockM)), unsigned(p.s_q), unsigned(p.split.num_sm_parts));
-  return launch_dependent(sparse_decode_kernel<F>, grid, kThreads, smem, stream, p);
+  return launch_dependent(sparse_decode_kernel<F, kPeers>, grid, kThreads, smem, stream, p, kPeers);
+}
+
+// 65 to 128 heads: the two 64-head CTAs of a token form a cluster and share the dequantisation.
+// Where the device refuses the cluster (e.g. a partition whose SMs cannot hold two such CTAs side
+// by side), they run apart.
+template <KvFormat F>
+cudaError_t launch_for_heads(const SparseDecodeParams& p, cudaStream_t stream) {
+  if (ceil_div(p.h_q, kBlockM) == 2) {
+    const cudaError_t err = launch<F, 2>(p, stream);
+    if (err != cudaErrorInvalidClusterSize) return err;
+    (void)cudaGetLastError();  // a refused launch configuration, not a sticky error
+  }
+  return launch<F, 1>(p, stream);
 }
 
 }  // namespace sm90_sparse
 
 cudaError_t sm90_sparse_decode(const SparseDecodeParams& p, cudaStream_t stream) {
-  const cudaError_t err = p.format == KvFormat::kV32 ? sm90_sparse::launch<KvFormat::kV32>(p, stream)
-                                                     : sm90_sparse::launch<KvFormat::kModel1>(p, stream);
+  const cudaError_t err = p.format == KvFormat::kV32 ? sm90_sparse::launch_for_heads<KvFormat::kV32>(p, stream)
+                                                     : sm90_sparse::launch_for_heads<KvFormat::kModel1>(p, stream);
   if (err != cudaSuccess) return err;
   return combine(combine_params(p.b, p.s_q, p.h_q, p.split, p.o, p.attn_sink), stream, /*pdl=*/true);
 }

@@ -120,10 +120,10 @@ __device__ __forceinline__ TokenPart<F, kParts> load_token_part(const TokenRef& 
 }
 
 // Dequantises r into row t of a key buffer (bf16, 128-byte swizzle); an invalid token's part of
-// the row is zero.
-template <KvFormat F, int kParts>
-__device__ __forceinline__ void store_token_part(const TokenPart<F, kParts>& r, uint8_t (*tiles)[kSparseTileBytes],
-                                                 int t, int part) {
+// the row is zero. put(tile, byte offset in the tile, 16 bytes) stores: into one buffer, or into the
+// same place of the buffers of several CTAs.
+template <KvFormat F, int kParts, typename Put>
+__device__ __forceinline__ void store_token_part(const TokenPart<F, kParts>& r, int t, int part, const Put& put) {
   using Fm = SparseFormat<F>;
   using TP = TokenPart<F, kParts>;
   const uint4 zero = make_uint4(0, 0, 0, 0);
@@ -137,18 +137,24 @@ __device__ __forceinline__ void store_token_part(const TokenPart<F, kParts>& r, 
       const int tile = c * kParts * 16 / Fm::kScaleTile;
       scale = fp8::ue8m0(uint8_t((tile < 4 ? r.scales[0] >> (8 * tile) : r.scales[1] >> (8 * (tile - 4))) & 0xff));
     }
-    uint8_t* tile_base = tiles[d / 64];
     const int ch = (d % 64) / 8;
-    *reinterpret_cast<uint4*>(tile_base + sparse_chunk_at(t, ch)) =
-        r.ok ? fp8::dequant8_bf16(make_uint2(r.nope[c].x, r.nope[c].y), scale) : zero;
-    *reinterpret_cast<uint4*>(tile_base + sparse_chunk_at(t, ch + 1)) =
-        r.ok ? fp8::dequant8_bf16(make_uint2(r.nope[c].z, r.nope[c].w), scale) : zero;
+    put(d / 64, sparse_chunk_at(t, ch), r.ok ? fp8::dequant8_bf16(make_uint2(r.nope[c].x, r.nope[c].y), scale) : zero);
+    put(d / 64, sparse_chunk_at(t, ch + 1),
+        r.ok ? fp8::dequant8_bf16(make_uint2(r.nope[c].z, r.nope[c].w), scale) : zero);
   }
 #pragma unroll
   for (int c = 0; c < TP::kRopeChunks; ++c) {
     const int d = Fm::kNope + (c * kParts + part) * 8;
-    *reinterpret_cast<uint4*>(tiles[d / 64] + sparse_chunk_at(t, (d % 64) / 8)) = r.ok ? r.rope[c] : zero;
+    put(d / 64, sparse_chunk_at(t, (d % 64) / 8), r.ok ? r.rope[c] : zero);
   }
+}
+// The same into one key buffer of this CTA.
+template <KvFormat F, int kParts>
+__device__ __forceinline__ void store_token_part(const TokenPart<F, kParts>& r, uint8_t (*tiles)[kSparseTileBytes],
+                                                 int t, int part) {
+  store_token_part<F, kParts>(r, t, part, [&](int tile, int off, const uint4& v) {
+    *reinterpret_cast<uint4*>(tiles[tile] + off) = v;
+  });
 }
 
 }  // namespace mla::cuda::sm90
