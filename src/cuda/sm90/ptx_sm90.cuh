@@ -107,36 +107,31 @@ __device__ __forceinline__ int cluster_rank() {
 __device__ __forceinline__ void cluster_sync() {
   asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
 }
-// The generic address of the same shared-memory location in CTA `rank` of the cluster.
-template <typename T>
-__device__ __forceinline__ T* peer_ptr(T* p, int rank) {
-  uint64_t out;
-  asm volatile("mapa.u64 %0, %1, %2;\n" : "=l"(out) : "l"(reinterpret_cast<uint64_t>(p)), "r"(rank));
-  return reinterpret_cast<T*>(out);
+// The shared::cluster address of the same shared-memory location in CTA `rank` of the cluster
+// (linear: the address of p + n is this plus n).
+__device__ __forceinline__ uint32_t peer_addr(const void* p, int rank) {
+  uint32_t out;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(out) : "r"(smem_addr(p)), "r"(rank));
+  return out;
 }
-// One arrival, with release semantics at cluster scope, on the same mbarrier in CTA `rank`.
-__device__ __forceinline__ void mbar_arrive_cluster(uint64_t* bar, int rank) {
-  uint32_t remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(smem_addr(bar)), "r"(rank));
-  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(remote) : "memory");
+// One arrival on an mbarrier of another CTA of the cluster (`bar` from peer_addr).
+__device__ __forceinline__ void mbar_arrive_remote(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
-// Waits for the phase with the given parity, acquiring at cluster scope (the arrivals came from
-// threads of other CTAs of the cluster too).
-__device__ __forceinline__ void mbar_wait_cluster(uint64_t* bar, uint32_t parity) {
-  const uint32_t addr = smem_addr(bar);
-  asm volatile(
-      "{\n"
-      ".reg .pred done;\n"
-      "WAIT_%=:\n"
-      "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra WAIT_%=;\n"
-      "}\n" ::"r"(addr),
-      "r"(parity)
-      : "memory");
+// Stores into another CTA's shared memory (`dst`, `bar` from peer_addr) that complete their bytes
+// on that CTA's mbarrier `bar`: whoever waits for the barrier's phase sees them, with no fence or
+// cluster-scope acquire (the mbarrier's owner expects the bytes with mbar_expect_tx).
+__device__ __forceinline__ void st_async_16(uint32_t dst, const uint4& v, uint32_t bar) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, %4}, [%5];\n" ::"r"(
+                   dst),
+               "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w), "r"(bar)
+               : "memory");
 }
-// Ordinary writes to shared memory of any CTA of the cluster (and to global memory) become visible
-// to the async proxy.
-__device__ __forceinline__ void fence_proxy_async_cluster() { asm volatile("fence.proxy.async;\n" ::: "memory"); }
+__device__ __forceinline__ void st_async_4(uint32_t dst, uint32_t v, uint32_t bar) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];\n" ::"r"(dst), "r"(v),
+               "r"(bar)
+               : "memory");
+}
 
 // ---- wgmma ----------------------------------------------------------------------------------------
 

@@ -106,7 +106,7 @@ __device__ __forceinline__ void consume(const SparseDecodeParams& p, Smem<Sparse
   constexpr int D = SparseFormat<F>::kD;
   constexpr int kTiles = Smem<D>::kTiles;
   const int warp = wtid / 32, lane = wtid % 32, g = lane / 4, t4 = lane % 4;
-  const int peer = kPeers > 1 ? cluster_rank() ^ 1 : 0;
+  const uint32_t peer_empty = kPeers > 1 ? peer_addr(&sm.empty[0], cluster_rank() ^ 1) : 0;
   const float scale_log2 = p.softmax_scale * kLog2e;
   const int rr[2] = {warp * 16 + g, warp * 16 + g + 8};  // this thread's two rows (heads) of the tile
   int total_blocks = 0;  // the CTA's blocks over all its pieces (for the P barriers' first / last)
@@ -143,8 +143,7 @@ __device__ __forceinline__ void consume(const SparseDecodeParams& p, Smem<Sparse
 
     for (int j = 0; j < n_blocks; ++j, ++count) {
       const int buf = count & 1;
-      if constexpr (kPeers > 1) mbar_wait_cluster(&sm.full[buf], (count / 2) & 1);
-      else mbar_wait(&sm.full[buf], (count / 2) & 1);
+      mbar_wait(&sm.full[buf], (count / 2) & 1);
       if constexpr (kWg == 0) {
         // ---- S = Q K^T, masked; m, P, l -------------------------------------------------------
         float sc[32];
@@ -213,7 +212,7 @@ __device__ __forceinline__ void consume(const SparseDecodeParams& p, Smem<Sparse
       __syncwarp();
       if (lane == 0) {
         mbar_arrive(&sm.empty[buf]);
-        if constexpr (kPeers > 1) mbar_arrive_cluster(&sm.empty[buf], peer);
+        if constexpr (kPeers > 1) mbar_arrive_remote(peer_empty + buf * sizeof(uint64_t));
       }
     }
 
@@ -257,10 +256,10 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_kernel(const __grid
   const int row_base = blockIdx.x * kBlockM, s = blockIdx.y, part = blockIdx.z;
   const DecodePlanParams plan = sparse_plan_params(p);
 
-  // full: every producer warp of every CTA that fills the buffer arrives once per block; empty:
-  // every consumer warp of every CTA that reads it.
+  // full: every producer warp of this CTA arrives once per block (warp 0 expecting the peer's bytes,
+  // which complete on it); empty: every consumer warp of every CTA that reads the buffer.
   if (tid == 0) {
-    for (int b = 0; b < 2; ++b) mbar_init(&sm.full[b], 4 * kPeers), mbar_init(&sm.empty[b], 8 * kPeers);
+    for (int b = 0; b < 2; ++b) mbar_init(&sm.full[b], 4), mbar_init(&sm.empty[b], 8 * kPeers);
     fence_barrier_init();
   }
   if constexpr (kPeers > 1) cluster_sync();  // the peer's barriers exist before anything arrives on them
@@ -277,8 +276,13 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_kernel(const __grid
     const int rank = kPeers > 1 ? cluster_rank() : 0, peer = rank ^ 1;
     auto round_of = [&](int r) { return kPeers > 1 ? rank : r; };
     const int tq = wtid / kTokenParts, tp = wtid % kTokenParts;  // token of the round, its part
-    auto* peer_k = kPeers > 1 ? peer_ptr(&sm.k[0], peer) : &sm.k[0];
-    auto* peer_valid = kPeers > 1 ? peer_ptr(&sm.valid[0], peer) : &sm.valid[0];
+    const int warp = wtid / 32, lane = wtid % 32;
+    // The peer's key buffers, validity flags and full barriers (cluster addresses). Its half of each
+    // block arrives with st.async, completing on our full barrier: a round of tokens and their flags.
+    const uint32_t peer_k = kPeers > 1 ? peer_addr(&sm.k[0][0][0], peer) : 0;
+    const uint32_t peer_valid = kPeers > 1 ? peer_addr(&sm.valid[0][0], peer) : 0;
+    const uint32_t peer_full = kPeers > 1 ? peer_addr(&sm.full[0], peer) : 0;
+    constexpr uint32_t kPeerBytes = kRoundTokens * (D * 2 + 1);
     BlockWalk walk{num_pieces};
     bool have = walk.advance(p, plan, part);
     using Part = TokenPart<F, kTokenParts>;
@@ -295,27 +299,34 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_kernel(const __grid
       const int r_next = (r + 1) % kMyRounds;
       const Part next = have_next ? load(round_of(r_next)) : Part{};
       const int buf = count & 1;
-      if (r == 0) {
-        if constexpr (kPeers > 1) mbar_wait_cluster(&sm.empty[buf], ((count / 2) & 1) ^ 1);
-        else mbar_wait(&sm.empty[buf], ((count / 2) & 1) ^ 1);
-      }
+      if (r == 0) mbar_wait(&sm.empty[buf], ((count / 2) & 1) ^ 1);
       const int t = round_of(r) * kRoundTokens + tq;
+      const uint32_t peer_full_buf = peer_full + buf * sizeof(uint64_t);
       store_token_part<F, kTokenParts>(cur, t, tp, [&](int tile, int off, const uint4& v) {
         *reinterpret_cast<uint4*>(sm.k[buf][tile] + off) = v;
-        if constexpr (kPeers > 1) *reinterpret_cast<uint4*>(peer_k[buf][tile] + off) = v;
+        if constexpr (kPeers > 1) st_async_16(peer_k + ((buf * SmemT::kTiles + tile) * kTileBytes + off), v, peer_full_buf);
       });
-      if (tp == 0) {
-        sm.valid[buf][t] = cur.ok;
-        if constexpr (kPeers > 1) peer_valid[buf][t] = cur.ok;
+      // The warp's eight tokens' flags (lane 4j holds token 8 warp + j), as two 4-byte words.
+      const uint32_t oks = __ballot_sync(0xffffffffu, cur.ok);
+      if (lane == 0) {
+        const int t0 = round_of(r) * kRoundTokens + 8 * warp;
+#pragma unroll
+        for (int w = 0; w < 2; ++w) {
+          uint32_t word = 0;
+#pragma unroll
+          for (int j = 0; j < 4; ++j) word |= ((oks >> (4 * (4 * w + j))) & 1u) << (8 * j);
+          *reinterpret_cast<uint32_t*>(&sm.valid[buf][t0 + 4 * w]) = word;
+          if constexpr (kPeers > 1) st_async_4(peer_valid + (buf * kBlockN + t0 + 4 * w), word, peer_full_buf);
+        }
       }
       if (r == kMyRounds - 1) {
-        // Each lane's stores reach the async proxy (wgmma), then one arrival per warp.
-        if constexpr (kPeers > 1) fence_proxy_async_cluster();
-        else fence_proxy_async();
+        // Each lane's stores reach the async proxy (wgmma), then one arrival per warp; warp 0's
+        // also expects the bytes the peer stores into this CTA's buffer.
+        fence_proxy_async();
         __syncwarp();
-        if (wtid % 32 == 0) {
-          mbar_arrive(&sm.full[buf]);
-          if constexpr (kPeers > 1) mbar_arrive_cluster(&sm.full[buf], peer);
+        if (lane == 0) {
+          if (kPeers > 1 && warp == 0) mbar_expect_tx(&sm.full[buf], kPeerBytes);
+          else mbar_arrive(&sm.full[buf]);
         }
         ++count;
       }
