@@ -283,21 +283,23 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_kernel(const __grid
     const uint32_t peer_valid = kPeers > 1 ? peer_addr(&sm.valid[0][0], peer) : 0;
     const uint32_t peer_full = kPeers > 1 ? peer_addr(&sm.full[0], peer) : 0;
     constexpr uint32_t kPeerBytes = kRoundTokens * (D * 2 + 1);
-    BlockWalk walk{num_pieces};
-    bool have = walk.advance(p, plan, part);
     using Part = TokenPart<F, kTokenParts>;
-    auto load = [&](int round) {
-      return load_token_part<F, kTokenParts>(locate_token(p, plan, walk.i, s, walk.blk, round * kRoundTokens + tq), tp);
+    // `ahead` is one step past `next`: its token's index is read while next's record loads.
+    RoundWalk<kMyRounds> ahead{BlockWalk{num_pieces}};
+    auto step = [&]() { return ahead.advance(p, plan, part); };
+    auto locate = [&]() {
+      return locate_token(p, plan, ahead.blocks.i, s, ahead.blocks.blk, round_of(ahead.round) * kRoundTokens + tq);
     };
-    Part cur = have ? load(round_of(0)) : Part{};
+    bool have = step();
+    Part cur = have ? load_token_part<F, kTokenParts>(locate(), tp) : Part{};
+    bool have_next = have && step();
+    TokenRef ref_next = have_next ? locate() : TokenRef{};
     uint32_t count = 0;  // blocks handed over: buffer count % 2, phase (count / 2) % 2
     int r = 0;           // this producer's round of the block
     while (have) {
-      // The next round: this block's next, or the next block's first.
-      bool have_next = true;
-      if (r == kMyRounds - 1) have_next = walk.advance(p, plan, part);
-      const int r_next = (r + 1) % kMyRounds;
-      const Part next = have_next ? load(round_of(r_next)) : Part{};
+      const bool have_after = have_next && step();
+      const TokenRef ref_after = have_after ? locate() : TokenRef{};
+      const Part next = have_next ? load_token_part<F, kTokenParts>(ref_next, tp) : Part{};
       const int buf = count & 1;
       if (r == 0) mbar_wait(&sm.empty[buf], ((count / 2) & 1) ^ 1);
       const int t = round_of(r) * kRoundTokens + tq;
@@ -332,7 +334,9 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_kernel(const __grid
       }
       cur = next;
       have = have_next;
-      r = r_next;
+      have_next = have_after;
+      ref_next = ref_after;
+      r = (r + 1) % kMyRounds;
     }
   } else if (wg == 0) {
     // ---- consumers: each warpgroup its own code, so that each is compiled with its own registers

@@ -94,17 +94,22 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_small_kernel(const 
   if (wg == 1) {
     // ---- producer: gather, dequantise, store, one block ahead ---------------------------------
     // The records of the next block are loaded into registers before this block is dequantised
-    // and stored, so one block's loads are always in flight behind the conversion work.
+    // and stored, so one block's loads are always in flight behind the conversion work; the
+    // indices of the block after are read meanwhile.
     const int t = wtid / 2, half = wtid % 2;  // token of the block, half of its dims
-    BlockWalk walk{num_pieces};
-    bool have = walk.advance(p, plan, part);
-    TokenPart<F, 2> cur =
-        have ? load_token_part<F, 2>(locate_token(p, plan, walk.i, s, walk.blk, t), half) : TokenPart<F, 2>{};
+    using Part = TokenPart<F, 2>;
+    RoundWalk<1> ahead{BlockWalk{num_pieces}};
+    auto step = [&]() { return ahead.advance(p, plan, part); };
+    auto locate = [&]() { return locate_token(p, plan, ahead.blocks.i, s, ahead.blocks.blk, t); };
+    bool have = step();
+    Part cur = have ? load_token_part<F, 2>(locate(), half) : Part{};
+    bool have_next = have && step();
+    TokenRef ref_next = have_next ? locate() : TokenRef{};
     while (have) {
       const int buf = block_count & 1;
-      const bool have_next = walk.advance(p, plan, part);
-      const TokenPart<F, 2> next =
-          have_next ? load_token_part<F, 2>(locate_token(p, plan, walk.i, s, walk.blk, t), half) : TokenPart<F, 2>{};
+      const bool have_after = have_next && step();
+      const TokenRef ref_after = have_after ? locate() : TokenRef{};
+      const Part next = have_next ? load_token_part<F, 2>(ref_next, half) : Part{};
       mbar_wait(&sm.empty[buf], ((block_count / 2) & 1) ^ 1);
       store_token_part<F, 2>(cur, sm.k[buf], t, half);
       if (half == 0) sm.valid[buf][t] = cur.ok;
@@ -113,6 +118,8 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_small_kernel(const 
       ++block_count;
       cur = next;
       have = have_next;
+      have_next = have_after;
+      ref_next = ref_after;
     }
   } else {
     // ---- consumer: S^T, softmax, O^T -----------------------------------------------------------

@@ -62,6 +62,21 @@ struct BlockWalk {
   }
 };
 
+// A producer thread's steps: kRounds rounds of every block of its walk. It locates the token of a
+// step (reads its index) one step before it loads the token's record, so that the record's loads
+// never wait for the index: cur's record is dequantised while next's is in flight and the index
+// of the step after next is read.
+template <int kRounds>
+struct RoundWalk {
+  BlockWalk blocks;
+  int round = kRounds - 1;
+  __device__ bool advance(const SparseDecodeParams& p, const DecodePlanParams& plan, int part) {
+    if (++round < kRounds) return true;
+    round = 0;
+    return blocks.advance(p, plan, part);
+  }
+};
+
 // Part `part` of kParts of a token's record as loaded. The parts interleave by 16-byte chunk
 // (chunk c of the part is chunk c * kParts + part of the record), so the kParts threads of a token
 // read kParts x 16 contiguous bytes per load: NoPE chunks of 16 e4m3 dims, RoPE chunks of 8 bf16
@@ -91,7 +106,10 @@ __device__ __forceinline__ TokenPart<F, kParts> load_token_part(const TokenRef& 
   const SparseKvCache& cache = *ref.cache;
   const int64_t tok = ref.tok;
   r.ok = sparse_token_in_cache(cache, tok);
-  if (!r.ok) {
+  if (!r.ok) {  // all zero, so that it dequantises to zero without a branch
+    const uint4 zero = make_uint4(0, 0, 0, 0);
+    for (uint4& v : r.nope) v = zero;
+    for (uint4& v : r.rope) v = zero;
     for (uint32_t& v : r.scales) v = 0;
     return r;
   }
@@ -120,13 +138,12 @@ __device__ __forceinline__ TokenPart<F, kParts> load_token_part(const TokenRef& 
 }
 
 // Dequantises r into row t of a key buffer (bf16, 128-byte swizzle); an invalid token's part of
-// the row is zero. put(tile, byte offset in the tile, 16 bytes) stores: into one buffer, or into the
+// the row is zero (its part is all zero bits, and e4m3 zero times a zero scale is +0). put(tile, byte offset in the tile, 16 bytes) stores: into one buffer, or into the
 // same place of the buffers of several CTAs.
 template <KvFormat F, int kParts, typename Put>
 __device__ __forceinline__ void store_token_part(const TokenPart<F, kParts>& r, int t, int part, const Put& put) {
   using Fm = SparseFormat<F>;
   using TP = TokenPart<F, kParts>;
-  const uint4 zero = make_uint4(0, 0, 0, 0);
 #pragma unroll
   for (int c = 0; c < TP::kNopeChunks; ++c) {
     const int d = (c * kParts + part) * 16;
@@ -138,14 +155,13 @@ __device__ __forceinline__ void store_token_part(const TokenPart<F, kParts>& r, 
       scale = fp8::ue8m0(uint8_t((tile < 4 ? r.scales[0] >> (8 * tile) : r.scales[1] >> (8 * (tile - 4))) & 0xff));
     }
     const int ch = (d % 64) / 8;
-    put(d / 64, sparse_chunk_at(t, ch), r.ok ? fp8::dequant8_bf16(make_uint2(r.nope[c].x, r.nope[c].y), scale) : zero);
-    put(d / 64, sparse_chunk_at(t, ch + 1),
-        r.ok ? fp8::dequant8_bf16(make_uint2(r.nope[c].z, r.nope[c].w), scale) : zero);
+    put(d / 64, sparse_chunk_at(t, ch), fp8::dequant8_bf16(make_uint2(r.nope[c].x, r.nope[c].y), scale));
+    put(d / 64, sparse_chunk_at(t, ch + 1), fp8::dequant8_bf16(make_uint2(r.nope[c].z, r.nope[c].w), scale));
   }
 #pragma unroll
   for (int c = 0; c < TP::kRopeChunks; ++c) {
     const int d = Fm::kNope + (c * kParts + part) * 8;
-    put(d / 64, sparse_chunk_at(t, (d % 64) / 8), r.ok ? r.rope[c] : zero);
+    put(d / 64, sparse_chunk_at(t, (d % 64) / 8), r.rope[c]);
   }
 }
 // The same into one key buffer of this CTA.
