@@ -3,8 +3,11 @@
     ncu --clock-control none -k regex:dense_decode_kernel -c 1 --set full --import-source yes \
         python3 bench/profile_case.py dense_b128_h16_sk8192
 
+With --flashmla DIR the cases call FlashMLA (the `flash_mla` package in DIR, built from source
+outside this repository) instead, so that its kernels can be profiled on the same inputs.
 (tools/gpu.sh's `profile` step does this and writes the reports to $OUT.)"""
 
+import argparse
 import os
 import sys
 
@@ -13,7 +16,12 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_decode as B  # noqa: E402
 
-for name in sys.argv[1:]:
-    call, _, _, _ = B.CASES[name]()
+parser = argparse.ArgumentParser()
+parser.add_argument("cases", nargs="+", choices=sorted(B.CASES))
+parser.add_argument("--flashmla", metavar="DIR", help="profile FlashMLA's kernels on the same inputs")
+args = parser.parse_args()
+api = B.load_flashmla(args.flashmla) if args.flashmla else B.flash_mla
+for name in args.cases:
+    call, _, _, _ = B.CASES[name](api=api)
     call()
     torch.cuda.synchronize()
