@@ -138,15 +138,23 @@ __device__ __forceinline__ TokenPart<F, kParts> load_token_part(const TokenRef& 
 }
 
 // Dequantises r into row t of a key buffer (bf16, 128-byte swizzle); an invalid token's part of
-// the row is zero (its part is all zero bits, and e4m3 zero times a zero scale is +0). put(tile, byte offset in the tile, 16 bytes) stores: into one buffer, or into the
-// same place of the buffers of several CTAs.
+// the row is zero (its part is all zero bits, and e4m3 zero times a zero scale is +0).
+// put(tile, byte offset in the tile, 16 bytes) stores: into one buffer, or into the same place of
+// the buffers of several CTAs.
+//
+// The offsets are a few per-thread constants, not computed per store: with g = c kParts + part
+// (kParts divides 4, so c kParts and part have no bit in common), NoPE chunk c covers the 8-dim
+// groups 2 (g % 4) and 2 (g % 4) + 1 of tile g / 4 = c kParts / 4, i.e. group K ^ 2 part with K a
+// compile-time constant; RoPE chunk c is group c kParts ^ part of the last tile. The swizzle XORs
+// the group with t % 8, so each offset is t * 128 + ((K ^ x) << 4) with x fixed per thread.
 template <KvFormat F, int kParts, typename Put>
 __device__ __forceinline__ void store_token_part(const TokenPart<F, kParts>& r, int t, int part, const Put& put) {
   using Fm = SparseFormat<F>;
   using TP = TokenPart<F, kParts>;
+  static_assert(4 % kParts == 0 && Fm::kNope % 64 == 0, "a part's chunk groups are a constant XOR its part");
+  const int row = t * 128, x_nope = (2 * part) ^ (t & 7), x_rope = part ^ (t & 7);
 #pragma unroll
   for (int c = 0; c < TP::kNopeChunks; ++c) {
-    const int d = (c * kParts + part) * 16;
     float scale;
     if constexpr (Fm::kV32) {
       scale = __uint_as_float(r.scales[c * kParts * 16 / Fm::kScaleTile]);
@@ -154,15 +162,13 @@ __device__ __forceinline__ void store_token_part(const TokenPart<F, kParts>& r, 
       const int tile = c * kParts * 16 / Fm::kScaleTile;
       scale = fp8::ue8m0(uint8_t((tile < 4 ? r.scales[0] >> (8 * tile) : r.scales[1] >> (8 * (tile - 4))) & 0xff));
     }
-    const int ch = (d % 64) / 8;
-    put(d / 64, sparse_chunk_at(t, ch), fp8::dequant8_bf16(make_uint2(r.nope[c].x, r.nope[c].y), scale));
-    put(d / 64, sparse_chunk_at(t, ch + 1), fp8::dequant8_bf16(make_uint2(r.nope[c].z, r.nope[c].w), scale));
+    const int k0 = 2 * ((c * kParts) % 4);
+    put(c * kParts / 4, row + ((k0 ^ x_nope) << 4), fp8::dequant8_bf16(make_uint2(r.nope[c].x, r.nope[c].y), scale));
+    put(c * kParts / 4, row + (((k0 + 1) ^ x_nope) << 4),
+        fp8::dequant8_bf16(make_uint2(r.nope[c].z, r.nope[c].w), scale));
   }
 #pragma unroll
-  for (int c = 0; c < TP::kRopeChunks; ++c) {
-    const int d = Fm::kNope + (c * kParts + part) * 8;
-    put(d / 64, sparse_chunk_at(t, (d % 64) / 8), r.rope[c]);
-  }
+  for (int c = 0; c < TP::kRopeChunks; ++c) put(Fm::kNope / 64, row + (((c * kParts) ^ x_rope) << 4), r.rope[c]);
 }
 // The same into one key buffer of this CTA.
 template <KvFormat F, int kParts>
