@@ -257,7 +257,7 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_kernel(const __grid_
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           m0[h] = fmaxf(m_prev[h], row_max[h]);
-          a0[h] = m0[h] == -INFINITY ? 1.f : exp2f(m_prev[h] - m0[h]);
+          a0[h] = m0[h] == -INFINITY ? 1.f : exp2_ftz(m_prev[h] - m0[h]);
         }
         exponentiate(s, m0, sum);
         if (t4 == 0) sm.m[rr[0]] = m0[0], sm.m[rr[1]] = m0[1];
@@ -322,8 +322,8 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_kernel(const __grid_
         for (int h = 0; h < 2; ++h) {
           const float m0 = sm.m[rr[h]];
           m1[h] = fmaxf(m0, row_max[h]);
-          const float s1 = m1[h] == -INFINITY ? 1.f : exp2f(m0 - m1[h]);
-          const float a0 = m0 == -INFINITY ? 1.f : exp2f(m_prev[h] - m0);
+          const float s1 = m1[h] == -INFINITY ? 1.f : exp2_ftz(m0 - m1[h]);
+          const float a0 = m0 == -INFINITY ? 1.f : exp2_ftz(m_prev[h] - m0);
           f[h] = a0 * s1;
           if (t4 == 0) sm.s1[rr[h]] = s1;
         }

@@ -82,6 +82,14 @@ __device__ __forceinline__ void named_sync(int id, int threads) {
 __device__ __forceinline__ void named_arrive(int id, int threads) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
+// 2^x in one MUFU.EX2, results below 2^-126 flushed to zero; exp2(-inf) = 0. exp2f adds a range
+// fix-up per call for subnormal results (a compare, a scale and predicate shuffling around every
+// element of a softmax), which softmax weights never need.
+__device__ __forceinline__ float exp2_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
 // Ordinary shared-memory writes become visible to the async proxy (wgmma, TMA).
 __device__ __forceinline__ void fence_proxy_async() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");

@@ -112,13 +112,14 @@ __device__ __forceinline__ void small_softmax(float (&s)[N / 2], const float (*w
       const int c = 8 * n + 2 * t4 + e;
       const float blk = fmaxf(fmaxf(warp_max[0][c], warp_max[1][c]), fmaxf(warp_max[2][c], warp_max[3][c]));
       const float m_new = fmaxf(m_run[n][e], blk);
-      alpha[n][e] = m_new == -INFINITY ? 1.f : exp2f(m_run[n][e] - m_new);
+      alpha[n][e] = m_new == -INFINITY ? 1.f : exp2_ftz(m_run[n][e] - m_new);
       m_run[n][e] = m_new;
+      const float base = m_new == -INFINITY ? 0.f : m_new;  // all of the column's S are -inf then
       float sum = 0.f;
 #pragma unroll
       for (int hk = 0; hk < 2; ++hk) {
         float& v = s[4 * n + 2 * hk + e];
-        v = m_new == -INFINITY ? 0.f : exp2f(v - m_new);
+        v = exp2_ftz(v - base);
         sum += v;
         *reinterpret_cast<T*>(p + small_swz(c, key_lo + 8 * hk)) = small_from_float<T>(v);
       }

@@ -56,6 +56,8 @@ constexpr int kBlockN = 64;    // tokens per block = plan block
 constexpr int kRoundTokens = 32;  // tokens a producer round covers (four threads per token)
 [[maybe_unused]] constexpr int kTokenParts = 128 / kRoundTokens;
 constexpr int kTileBytes = kM64TileBytes;
+// How far (log2 units) a block's max may exceed the running max before O is rescaled to it.
+constexpr float kRescaleSlack = 8.f;
 [[maybe_unused]] constexpr int kVTilesPerWg = 4;  // each consumer warpgroup owns 256 output columns = 4 tiles
 static_assert(kBlockN == kPlanBlockSize, "one token block per plan block");
 static_assert(kBlockN == 2 * kRoundTokens, "two producer rounds per block");
@@ -160,23 +162,29 @@ __device__ __forceinline__ void consume(const SparseDecodeParams& p, Smem<Sparse
         const uint8_t* valid = sm.valid[buf];
         float row_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-        for (int n = 0; n < 8; ++n)
+        for (int n = 0; n < 8; ++n) {
+          // The flags of keys 8 n + 2 t4 and + 1, in one load.
+          const uint32_t ok2 = *reinterpret_cast<const uint16_t*>(valid + n * 8 + 2 * t4);
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            const int h = e / 2, key = n * 8 + 2 * t4 + (e % 2);
-            sc[n * 4 + e] = valid[key] ? sc[n * 4 + e] * scale_log2 : -INFINITY;
+            const int h = e / 2;
+            sc[n * 4 + e] = (ok2 >> (8 * (e % 2))) & 0xffu ? sc[n * 4 + e] * scale_log2 : -INFINITY;
             row_max[h] = fmaxf(row_max[h], sc[n * 4 + e]);
           }
-        float m_new[2], factor[2], sum[2] = {0.f, 0.f};
+        }
+        float factor[2], sum[2] = {0.f, 0.f};
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           row_max[h] = fmaxf(row_max[h], __shfl_xor_sync(0xffffffffu, row_max[h], 1));
           row_max[h] = fmaxf(row_max[h], __shfl_xor_sync(0xffffffffu, row_max[h], 2));
-          m_new[h] = fmaxf(m_run[h], row_max[h]);
-          factor[h] = m_new[h] == -INFINITY ? 1.f : exp2f(m_run[h] - m_new[h]);
-          m_run[h] = m_new[h];
+          // Lazy rescale: the running max moves only when the block's exceeds it by more than
+          // kRescaleSlack, so P <= 2^kRescaleSlack and most blocks leave O as it is.
+          const float m_new = fmaxf(m_run[h], row_max[h]);
+          const bool move = m_new > m_run[h] + kRescaleSlack;  // never while both are -inf
+          factor[h] = move ? exp2_ftz(m_run[h] - m_new) : 1.f;
+          if (move) m_run[h] = m_new;
         }
-        exponentiate(sc, m_new, sum);
+        exponentiate(sc, m_run, sum);
 #pragma unroll
         for (int h = 0; h < 2; ++h) l_own[h] = l_own[h] * factor[h] + sum[h];
         uint32_t pa[4][4];
@@ -194,14 +202,15 @@ __device__ __forceinline__ void consume(const SparseDecodeParams& p, Smem<Sparse
         named_arrive(kBarPReady, kConsumers);
 
         // ---- O_L = O_L a + P V_L ----------------------------------------------------------------
-        scale_rows(o, factor[0], factor[1]);
+        if (__any_sync(0xffffffffu, factor[0] != 1.f || factor[1] != 1.f)) scale_rows(o, factor[0], factor[1]);
         pv_rs<__nv_bfloat16>(sm.k[buf][0], pa, o);
         wgmma_wait<0>();
         fence_regs(o);
       } else {
         // ---- O_R = O_R a + P V_R ----------------------------------------------------------------
         named_sync(kBarPReady, kConsumers);
-        scale_rows(o, sm.factor[rr[0]], sm.factor[rr[1]]);
+        const float fa = sm.factor[rr[0]], fb = sm.factor[rr[1]];
+        if (__any_sync(0xffffffffu, fa != 1.f || fb != 1.f)) scale_rows(o, fa, fb);
         pv_ss<__nv_bfloat16>(sm.p, sm.k[buf][kVTilesPerWg], o);
         wgmma_wait<0>();
         fence_regs(o);
