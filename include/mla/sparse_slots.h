@@ -16,15 +16,30 @@ struct SparseBlockSlots {
   int len;                     // valid entries (topk_length / extra_topk_length, clamped)
 };
 
-// Plan block `blk` of request i, query row s. `plan` is sparse_plan_params(p).
+// Request i's lengths as the planner sees them (each read from memory once per request by the
+// callers that walk many blocks of it).
+struct SparseRequestLens {
+  int main_blocks;  // blocks of main slots (at least one); extra-cache blocks follow them
+  int main_len;     // valid main entries (topk_length, clamped)
+  int extra_len;    // valid extra entries (extra_topk_length, clamped)
+};
+MLA_HD SparseRequestLens sparse_request_lens(const DecodePlanParams& plan, int i) {
+  return {sparse_main_blocks(plan, i), sparse_main_len(plan, i), sparse_extra_len(plan, i)};
+}
+
+// Plan block `blk` of request i, query row s, given the request's lengths.
+MLA_HD SparseBlockSlots sparse_block_slots(const SparseDecodeParams& p, const SparseRequestLens& lens, int i, int s,
+                                           int blk) {
+  if (blk < lens.main_blocks)
+    return {&p.kv, p.indices + i * p.indices_stride_b + s * p.indices_stride_s, blk * kPlanBlockSize, p.topk,
+            lens.main_len};
+  return {&p.extra_kv, p.extra_indices + i * p.extra_indices_stride_b + s * p.extra_indices_stride_s,
+          (blk - lens.main_blocks) * kPlanBlockSize, p.extra_topk, lens.extra_len};
+}
+// The same; `plan` is sparse_plan_params(p).
 MLA_HD SparseBlockSlots sparse_block_slots(const SparseDecodeParams& p, const DecodePlanParams& plan, int i, int s,
                                            int blk) {
-  const int main_blocks = sparse_main_blocks(plan, i);
-  if (blk < main_blocks)
-    return {&p.kv, p.indices + i * p.indices_stride_b + s * p.indices_stride_s, blk * kPlanBlockSize, p.topk,
-            sparse_main_len(plan, i)};
-  return {&p.extra_kv, p.extra_indices + i * p.extra_indices_stride_b + s * p.extra_indices_stride_s,
-          (blk - main_blocks) * kPlanBlockSize, p.extra_topk, sparse_extra_len(plan, i)};
+  return sparse_block_slots(p, sparse_request_lens(plan, i), i, s, blk);
 }
 
 // A flat token index names a token of `cache`: anything else is an invalid index, never read.

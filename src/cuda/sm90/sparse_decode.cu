@@ -294,13 +294,11 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_kernel(const __grid
     constexpr uint32_t kPeerBytes = kRoundTokens * (D * 2 + 1);
     using Part = TokenPart<F, kTokenParts>;
     // `ahead` is one step past `next`: its token's index is read while next's record loads.
-    RoundWalk<kMyRounds> ahead{BlockWalk{num_pieces}};
+    RoundWalk<kMyRounds> ahead{BlockWalk{num_pieces, s}};
     auto step = [&]() { return ahead.advance(p, plan, part); };
-    auto locate = [&]() {
-      return locate_token(p, plan, ahead.blocks.i, s, ahead.blocks.blk, round_of(ahead.round) * kRoundTokens + tq);
-    };
+    auto locate = [&]() { return ahead.blocks.locate(p, round_of(ahead.round) * kRoundTokens + tq); };
     bool have = step();
-    Part cur = have ? load_token_part<F, kTokenParts>(locate(), tp) : Part{};
+    Part cur = have ? load_token_part<F, kTokenParts>(p, locate(), tp) : Part{};
     bool have_next = have && step();
     TokenRef ref_next = have_next ? locate() : TokenRef{};
     uint32_t count = 0;  // blocks handed over: buffer count % 2, phase (count / 2) % 2
@@ -308,7 +306,8 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_kernel(const __grid
     while (have) {
       const bool have_after = have_next && step();
       const TokenRef ref_after = have_after ? locate() : TokenRef{};
-      const Part next = have_next ? load_token_part<F, kTokenParts>(ref_next, tp) : Part{};
+      Part next;  // unused past the last step
+      if (have_next) next = load_token_part<F, kTokenParts>(p, ref_next, tp);
       const int buf = count & 1;
       if (r == 0) mbar_wait(&sm.empty[buf], ((count / 2) & 1) ^ 1);
       const int t = round_of(r) * kRoundTokens + tq;

@@ -98,18 +98,19 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_small_kernel(const 
     // indices of the block after are read meanwhile.
     const int t = wtid / 2, half = wtid % 2;  // token of the block, half of its dims
     using Part = TokenPart<F, 2>;
-    RoundWalk<1> ahead{BlockWalk{num_pieces}};
+    RoundWalk<1> ahead{BlockWalk{num_pieces, s}};
     auto step = [&]() { return ahead.advance(p, plan, part); };
-    auto locate = [&]() { return locate_token(p, plan, ahead.blocks.i, s, ahead.blocks.blk, t); };
+    auto locate = [&]() { return ahead.blocks.locate(p, t); };
     bool have = step();
-    Part cur = have ? load_token_part<F, 2>(locate(), half) : Part{};
+    Part cur = have ? load_token_part<F, 2>(p, locate(), half) : Part{};
     bool have_next = have && step();
     TokenRef ref_next = have_next ? locate() : TokenRef{};
     while (have) {
       const int buf = block_count & 1;
       const bool have_after = have_next && step();
       const TokenRef ref_after = have_after ? locate() : TokenRef{};
-      const Part next = have_next ? load_token_part<F, 2>(ref_next, half) : Part{};
+      Part next;  // unused past the last step
+      if (have_next) next = load_token_part<F, 2>(p, ref_next, half);
       mbar_wait(&sm.empty[buf], ((block_count / 2) & 1) ^ 1);
       store_token_part<F, 2>(cur, sm.k[buf], t, half);
       if (half == 0) sm.valid[buf][t] = cur.ok;

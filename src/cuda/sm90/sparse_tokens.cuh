@@ -31,24 +31,23 @@ struct SparseFormat {
 // Byte offset of the 16-byte chunk holding dims [8 c, 8 c + 8) of row r, in its 64-dim tile.
 __device__ __forceinline__ int sparse_chunk_at(int r, int c) { return r * 128 + (((c ^ r) & 7) << 4); }
 
-// Token t of plan block blk of request i, query row s: the cache it indexes and its index (-1 past
-// the list's valid length).
+// A token of a plan block: its index (-1 past the list's valid length) and whether it indexes the
+// extra cache. The index stays 32-bit as loaded, so that locating a token a step ahead issues its
+// load without waiting for it (widening it there would wait at once); the cache is a flag, so
+// that its fields come from the kernel parameters, not through a pointer (a load per token).
 struct TokenRef {
-  const SparseKvCache* cache;
-  int64_t tok;
+  int32_t tok;
+  bool extra;
 };
-__device__ __forceinline__ TokenRef locate_token(const SparseDecodeParams& p, const DecodePlanParams& plan, int i,
-                                                 int s, int blk, int t) {
-  const SparseBlockSlots src = sparse_block_slots(p, plan, i, s, blk);
-  const int slot = src.slot0 + t;
-  return {src.cache, slot < src.len ? int64_t(src.indices[slot]) : int64_t(-1)};
-}
 
 // A CTA's blocks in order, across its part's pieces, as a producer walks them: request i, plan
-// block blk. advance() moves to the next block (the first one from the initial state) and says
-// whether there is one; every thread of a warp calls it together.
+// block blk, and the request's lengths (read once per piece, not per block). advance() moves to
+// the next block (the first one from the initial state) and says whether there is one; every
+// thread of a warp calls it together.
 struct BlockWalk {
-  int num_pieces, k = -1, i = 0, blk = 0, blk_end = 0;
+  int num_pieces, s;  // the CTA's pieces, its query row
+  int k = -1, i = 0, blk = 0, blk_end = 0;
+  SparseRequestLens lens{};
   __device__ bool advance(const SparseDecodeParams& p, const DecodePlanParams& plan, int part) {
     ++blk;
     while (blk >= blk_end) {
@@ -57,8 +56,17 @@ struct BlockWalk {
       i = __shfl_sync(0xffffffffu, pc.req, 0);
       blk = __shfl_sync(0xffffffffu, pc.block_begin, 0);
       blk_end = __shfl_sync(0xffffffffu, pc.block_end, 0);
+      lens = sparse_request_lens(plan, i);
     }
     return true;
+  }
+  // The token in slot t of the current block.
+  __device__ TokenRef locate(const SparseDecodeParams& p, int t) const {
+    const SparseBlockSlots src = sparse_block_slots(p, lens, i, s, blk);
+    const int slot = src.slot0 + t;
+    int32_t tok = -1;
+    if (slot < src.len) tok = src.indices[slot];
+    return {tok, src.cache != &p.kv};
   }
 };
 
@@ -99,11 +107,12 @@ struct TokenPart {
 
 // Loads `part` of the token `ref` names. Indices outside the cache are invalid: nothing is read.
 template <KvFormat F, int kParts>
-__device__ __forceinline__ TokenPart<F, kParts> load_token_part(const TokenRef& ref, int part) {
+__device__ __forceinline__ TokenPart<F, kParts> load_token_part(const SparseDecodeParams& p, const TokenRef& ref,
+                                                                int part) {
   using Fm = SparseFormat<F>;
   using TP = TokenPart<F, kParts>;
   TP r;
-  const SparseKvCache& cache = *ref.cache;
+  const SparseKvCache& cache = ref.extra ? p.extra_kv : p.kv;
   const int64_t tok = ref.tok;
   r.ok = sparse_token_in_cache(cache, tok);
   if (!r.ok) {  // all zero, so that it dequantises to zero without a branch
@@ -113,8 +122,11 @@ __device__ __forceinline__ TokenPart<F, kParts> load_token_part(const TokenRef& 
     for (uint32_t& v : r.scales) v = 0;
     return r;
   }
-  const uint8_t* block = cache.data + (tok / cache.page_block_size) * cache.stride_block;
-  const int off = int(tok % cache.page_block_size);
+  // A valid index is a non-negative int32, so 32-bit unsigned division is exact (and far cheaper
+  // than the 64-bit one).
+  const uint32_t page = uint32_t(cache.page_block_size);
+  const uint8_t* block = cache.data + int64_t(uint32_t(ref.tok) / page) * cache.stride_block;
+  const int off = int(uint32_t(ref.tok) % page);
   const uint8_t* rec = block + int64_t(off) * Fm::kRecordBytes;
 #pragma unroll
   for (int c = 0; c < TP::kNopeChunks; ++c) {
