@@ -31,14 +31,15 @@
 // Tile sizes: BLOCK_M 64 rows, 64 keys per block, 64 x 64 TMA tiles (128-byte swizzle), two key
 // buffers; wgmma m64n64k16 (S, both operands in shared memory) and m64n256k16 (P V, P from
 // registers for the own block, from shared memory for the other warpgroup's).
-// Reached on an H200 (bench/RESULTS.md, whole API call, FlashMLA timed in the same run): dense
-// b=128 h_q=128 s_k=4096 varlen 356.0 us = 388 TFLOPS (50% of the matmul ceiling; FlashMLA 258.5 us);
-// s_q=2 causal s_k=8192 1171.7 us = 466 TFLOPS (FlashMLA 860-923 us); b=2 s_k=65536 118.8 us
-// (FlashMLA 87.7); b=8 s_k=1024 43.5 us (34.1). (h_q=16 goes to the small-rows kernel; here it
-// takes 364 us.) Where the time goes (ncu stall samples at h_q=128): each warpgroup's next S waits
+// Reached on an H200 (bench/RESULTS.md, whole API call, FlashMLA timed in the same run, commit
+// 5655e81): dense b=128 h_q=128 s_k=4096 varlen 326.0 us = 423 TFLOPS (54% of the matmul ceiling;
+// FlashMLA 260.0 us, 0.80x); s_q=2 causal s_k=8192 1071.3 us = 510 TFLOPS (FlashMLA 884.2 us);
+// b=2 s_k=65536 110.2 us (FlashMLA 87.6); b=8 s_k=1024 41.0 us (33.4). (h_q=16 goes to the
+// small-rows kernel.) The softmax's exp2 in one MUFU (exp2_ftz) took h_q=128 from 356 to 326 us.
+// Where the time goes (ncu stall samples at h_q=128, before that): each warpgroup's next S waits
 // for its first reloaded tiles (~10%: a freed tile is reloaded only one product before it is
 // needed), the four cross-warpgroup barriers per pair (~12%), the wgmma issue itself; a pair of
-// blocks takes ~5.6 us against FlashMLA's ~4.2 us with the same tensor work.
+// blocks took ~5.6 us against FlashMLA's ~4.2 us with the same tensor work.
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <cuda_runtime.h>

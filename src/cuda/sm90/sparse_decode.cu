@@ -27,9 +27,14 @@
 //     ones (the combine kernel applies the sink), each warpgroup its 256 columns.
 // Tile sizes: 64 heads, 64-token blocks, two bf16 key buffers (144 KB at d_qk 576) + Q (72 KB) +
 // P (8 KB); wgmma m64n64k16 (S) and m64n256k16 (P V).
-// Reached on an H200 (bench/RESULTS.md, FlashMLA in the same run): V3.2 b=128 h_q=128 topk 2048
-// 515.4 us (FlashMLA 196.8 us; the portable kernel 1293.7), s_q=2 982.8 us (358.3); MODEL1 b=128
-// h_q=128 mixed with sink 203.7 us (105.4), all before the cluster crossover (not yet measured).
+// Reached on an H200 (bench/RESULTS.md, FlashMLA in the same run, commit 5655e81): V3.2 b=128
+// h_q=128 topk 2048 237.3 us (FlashMLA 197.1 us, 0.83x; the portable kernel 1293.7); b=32 s_q=2
+// 120.0 us (98.8); MODEL1 b=128 h_q=128 mixed with sink 117.2 us (105.5, 0.90x). Steps: the
+// crossover 515 -> 357 us; st.async instead of cluster-scope fences and acquires 357 -> 316; the
+// producer's per-thread store offsets, index a step ahead, lengths once per request and cache as a
+// flag 316 -> 237; exp2 in one MUFU and the lazy rescale 291 -> 285 (within those). ncu before the
+// last producer fix: the consumers waited on `full` for about half their samples, so the producer
+// (four warps, one per scheduler, latency-bound) is still the limit.
 #include <cuda_runtime.h>
 
 #include <cstdint>

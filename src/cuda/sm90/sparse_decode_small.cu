@@ -18,12 +18,13 @@
 //   * epilogue: O^T / (l + exp2(sink - m)) to out / lse for whole pieces, fp32 partials for split
 //     ones (the combine kernel applies the sink).
 // Tile sizes: 64-token blocks, N = 16 or 32 heads, two bf16 key buffers (144 KB at d_qk 576) + Q.
-// Reached on an H200 (bench/RESULTS.md, FlashMLA padded to 64 heads in the same run): V3.2 b=128
-// h_q=16 topk 2048 183.5 us (FlashMLA 154.1 us); b=64 h_q=32 137-140 us (109-110 us); MODEL1
-// b=128 h_q=16 116-118 us (105-106 us). The limit is the producer: one block of records in flight
-// per SM (ncu: the consumer waits on `full` for 29% of the samples, the producer on its loads);
-// reading the next block's indices a block earlier changed nothing, interleaving the two threads'
-// 16-byte chunks (so a token's threads read contiguous bytes) 189 -> 183.5 us.
+// Reached on an H200 (bench/RESULTS.md, FlashMLA padded to 64 heads in the same run, commit
+// 5655e81): V3.2 b=128 h_q=16 topk 2048 155.8 us (FlashMLA 154.4 us); b=64 h_q=32 116.0 us (108.9);
+// MODEL1 b=128 h_q=16 95.8 us (105.5: 1.10x). The limit is the producer. What moved it (183.5 ->
+// 155.8 us at h_q=16): the token's lengths read once per request and its cache named by a flag (the
+// producer had stalled at every block on loads it had just issued), the index read a block ahead of
+// the record, per-thread constant store offsets, branch-free dequantisation. Tried and slower
+// (287 us): whole records staged into shared memory by cp.async.bulk, 16 tokens per stage.
 #include <cuda_runtime.h>
 
 #include <cstdint>
