@@ -319,7 +319,8 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_kernel(const __grid
       const uint32_t peer_full_buf = peer_full + buf * sizeof(uint64_t);
       store_token_part<F, kTokenParts>(cur, t, tp, [&](int tile, int off, const uint4& v) {
         *reinterpret_cast<uint4*>(sm.k[buf][tile] + off) = v;
-        if constexpr (kPeers > 1) st_async_16(peer_k + ((buf * SmemT::kTiles + tile) * kTileBytes + off), v, peer_full_buf);
+        if constexpr (kPeers > 1)
+          st_async_16(peer_k + ((buf * SmemT::kTiles + tile) * kTileBytes + off), v, peer_full_buf);
       });
       // The warp's eight tokens' flags (lane 4j holds token 8 warp + j), as two 4-byte words.
       const uint32_t oks = __ballot_sync(0xffffffffu, cur.ok);
