@@ -59,15 +59,18 @@ def test_dense_step_graph_replans_on_replay():
         R.check_is_allclose("lse", outs[1].cpu(), ref_lse, **R.DENSE_LSE_TOL)
 
 
-def test_sparse_step_graph_replans_on_replay():
+# 16 heads: the small-heads kernel; 64: one 64-head CTA per token; 128: a cluster of two (launched
+# with a cluster dimension and programmatic dependent launch inside the graph).
+@pytest.mark.parametrize("h_q", [16, 64, 128])
+def test_sparse_step_graph_replans_on_replay(h_q):
     b, topk = 16, 200
     # FlashMLA's data distribution (randn/10 keys): the GPU rounds P to bf16 before P.V, which the
     # SPEC tolerances allow for values of that size.
     main = R.make_sparse_cache("model1", b, 1, 300, topk, 64, with_topk_length=True, invalid_frac=0.05,
                                scale_spread=False)
-    q = R.rand((b, 1, 64, 512)).cuda()
+    q = R.rand((b, 1, h_q, 512)).cuda()
     kv8, idx, lens = main.kv8.cuda(), main.indices.cuda(), main.topk_length.cuda()
-    sink = torch.randn(64).cuda()
+    sink = torch.randn(h_q).cuda()
 
     def step():
         sched, _ = flash_mla.get_mla_metadata()
