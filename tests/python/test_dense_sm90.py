@@ -123,3 +123,23 @@ def test_hopper_and_portable_agree_closely(h_q, monkeypatch):
     assert torch.isfinite(a.float()).all() and torch.isfinite(la).all()
     assert (a.float() - b.float()).abs().max() < 2e-2
     assert (la - lb).abs().max() < 1e-3
+
+
+# Sharp softmax: scales that spread the scores over tens of binades, so that the running max moves
+# by large steps from block to block (and by small ones), on both Hopper kernels: the rescale
+# factors of O, of the sums and of P0 for the other warpgroup all differ from 1.
+SHARP = [
+    ([700, 300, 1000], 1, 128, False, torch.bfloat16, 576, 40.0),
+    ([520, 1100], 2, 128, True, torch.float16, 576, 25.0),
+    ([900, 257], 1, 16, False, torch.bfloat16, 576, 60.0),
+    ([640, 333], 2, 32, True, torch.bfloat16, 512, 40.0),
+]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("seqlens,s_q,h_q,causal,dtype,d,scale", SHARP,
+                         ids=[f"L{'-'.join(map(str, c[0]))}_sq{c[1]}_hq{c[2]}_scale{int(c[6])}" for c in SHARP])
+def test_sharp_softmax(seqlens, s_q, h_q, causal, dtype, d, scale, impl, monkeypatch):
+    paged = R.make_dense_paged(seqlens, 64, 1, d, dtype)
+    q = R.rand((len(seqlens), s_q, h_q, d), dtype)
+    check(q, paged, causal, scale, impl, monkeypatch)
