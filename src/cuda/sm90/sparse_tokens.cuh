@@ -28,9 +28,6 @@ struct SparseFormat {
   static constexpr int kScaleTile = kV32 ? 128 : 64;      // dims per scale
 };
 
-// Byte offset of the 16-byte chunk holding dims [8 c, 8 c + 8) of row r, in its 64-dim tile.
-__device__ __forceinline__ int sparse_chunk_at(int r, int c) { return r * 128 + (((c ^ r) & 7) << 4); }
-
 // A token of a plan block: its index (-1 past the list's valid length) and whether it indexes the
 // extra cache. The index stays 32-bit as loaded, so that locating a token a step ahead issues its
 // load without waiting for it (widening it there would wait at once); the cache is a flag, so
