@@ -41,6 +41,7 @@
 // (four warps, one per scheduler, latency-bound) is still the limit.
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdint>
 
 #include "../common/decode_io.cuh"
@@ -387,13 +388,22 @@ cudaError_t launch(const SparseDecodeParams& p, cudaStream_t stream) {
 
 // 65 to 128 heads: the two 64-head CTAs of a token form a cluster and share the dequantisation.
 // Where the device refuses the cluster (e.g. a partition whose SMs cannot hold two such CTAs side
-// by side), they run apart.
+// by side), they run apart, and later calls on that device (64 at most) go there directly rather
+// than trying the refused launch again.
 template <KvFormat F>
 cudaError_t launch_for_heads(const SparseDecodeParams& p, cudaStream_t stream) {
+  static std::atomic<uint64_t> refused{0};
   if (ceil_div(p.h_q, kBlockM) == 2) {
-    const cudaError_t err = launch<F, 2>(p, stream);
-    if (err != cudaErrorInvalidClusterSize) return err;
-    (void)cudaGetLastError();  // a refused launch configuration, not a sticky error
+    int dev = 0;
+    cudaError_t err = cudaGetDevice(&dev);
+    if (err != cudaSuccess) return err;
+    const uint64_t bit = uint64_t(1) << (dev & 63);
+    if (!(refused.load(std::memory_order_acquire) & bit)) {
+      err = launch<F, 2>(p, stream);
+      if (err != cudaErrorInvalidClusterSize) return err;
+      (void)cudaGetLastError();  // a refused launch configuration, not a sticky error
+      refused.fetch_or(bit, std::memory_order_release);
+    }
   }
   return launch<F, 1>(p, stream);
 }
