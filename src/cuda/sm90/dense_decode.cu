@@ -102,6 +102,9 @@ struct Smem {
 template <typename T, int D, bool kLateFirstHalf = false>
 __device__ __forceinline__ void qk_issue(Smem<D>& sm, int buf, uint32_t parity, int t0, int t1, float (&s)[32]) {
   wgmma_fence();
+  // Two base descriptors, the others at constant offsets from them (a 64-bit add each, not a
+  // descriptor built per wgmma).
+  const uint64_t dq = smem_desc(sm.q[0], 0, 1024), dk = smem_desc(sm.k[buf][0], 0, 1024);
 #pragma unroll
   for (int i = t0; i < t1; ++i) {
     int t = i;
@@ -109,7 +112,7 @@ __device__ __forceinline__ void qk_issue(Smem<D>& sm, int buf, uint32_t parity, 
     mbar_wait(&sm.full[buf][t], parity);
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk)
-      wgmma_ss_k<T>(s, smem_desc(sm.q[t] + kk * 32, 0, 1024), smem_desc(sm.k[buf][t] + kk * 32, 0, 1024),
+      wgmma_ss_k<T>(s, desc_offset(dq, t * kTileBytes + kk * 32), desc_offset(dk, t * kTileBytes + kk * 32),
                     i > t0 || kk > 0 || t0 > 0);
   }
   wgmma_commit();
@@ -236,15 +239,26 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_kernel(const __grid_
       float row_max[2] = {-INFINITY, -INFINITY};
       {
         const bool pg_ok = mine && (wg == 0 ? pg0 : pg1) != p.num_blocks;
+        // A block whose every key is inside the sequence and visible to both of this thread's rows
+        // (all but the last block or two of a request) needs no per-key test.
+        const int last_key = (kb + 1) * kBlockN - 1;
+        if (pg_ok && last_key < len && last_key <= min(row_limit[0], row_limit[1])) {
 #pragma unroll
-        for (int n = 0; n < 8; ++n)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int h = e / 2, key = kb * kBlockN + n * 8 + 2 * t4 + (e % 2);
-            const bool ok = pg_ok && key < len && key <= row_limit[h];
-            s[n * 4 + e] = ok ? s[n * 4 + e] * scale_log2 : -INFINITY;
-            row_max[h] = fmaxf(row_max[h], s[n * 4 + e]);
+          for (int n = 0; n < 32; ++n) {
+            s[n] *= scale_log2;
+            row_max[(n % 4) / 2] = fmaxf(row_max[(n % 4) / 2], s[n]);
           }
+        } else {
+#pragma unroll
+          for (int n = 0; n < 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const int h = e / 2, key = kb * kBlockN + n * 8 + 2 * t4 + (e % 2);
+              const bool ok = pg_ok && key < len && key <= row_limit[h];
+              s[n * 4 + e] = ok ? s[n * 4 + e] * scale_log2 : -INFINITY;
+              row_max[h] = fmaxf(row_max[h], s[n * 4 + e]);
+            }
+        }
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           row_max[h] = fmaxf(row_max[h], __shfl_xor_sync(0xffffffffu, row_max[h], 1));

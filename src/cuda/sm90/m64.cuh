@@ -62,17 +62,18 @@ __device__ __forceinline__ void scale_rows(float (&o)[128], float f0, float f1) 
 template <typename T>
 __device__ __forceinline__ void pv_rs(const uint8_t* v, const uint32_t (&pa)[4][4], float (&o)[128]) {
   wgmma_fence();
+  const uint64_t dv = smem_desc(v, kM64TileBytes, 1024);
 #pragma unroll
-  for (int kk = 0; kk < 4; ++kk) wgmma_rs_v<T>(o, pa[kk], smem_desc(v + kk * 2048, kM64TileBytes, 1024), 1);
+  for (int kk = 0; kk < 4; ++kk) wgmma_rs_v<T>(o, pa[kk], desc_offset(dv, kk * 2048), 1);
   wgmma_commit();
 }
 // The same with P from a shared-memory tile.
 template <typename T>
 __device__ __forceinline__ void pv_ss(const uint8_t* p_tile, const uint8_t* v, float (&o)[128]) {
   wgmma_fence();
+  const uint64_t dp = smem_desc(p_tile, 0, 1024), dv = smem_desc(v, kM64TileBytes, 1024);
 #pragma unroll
-  for (int kk = 0; kk < 4; ++kk)
-    wgmma_ss_v<T>(o, smem_desc(p_tile + kk * 32, 0, 1024), smem_desc(v + kk * 2048, kM64TileBytes, 1024), 1);
+  for (int kk = 0; kk < 4; ++kk) wgmma_ss_v<T>(o, desc_offset(dp, kk * 32), desc_offset(dv, kk * 2048), 1);
   wgmma_commit();
 }
 

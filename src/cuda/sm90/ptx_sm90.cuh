@@ -155,6 +155,10 @@ __device__ __forceinline__ uint64_t smem_desc(const void* tile, uint32_t lbo_byt
   return d;
 }
 
+// The descriptor of the same layout `bytes` further on (a multiple of 16): the start address is
+// the low field, and shared-memory addresses stay below 256 KB, so the sum never carries out of it.
+__device__ __forceinline__ uint64_t desc_offset(uint64_t desc, uint32_t bytes) { return desc + (bytes >> 4); }
+
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <int N>

@@ -160,12 +160,13 @@ __device__ __forceinline__ void consume(const SparseDecodeParams& p, Smem<Sparse
         // ---- S = Q K^T, masked; m, P, l -------------------------------------------------------
         float sc[32];
         wgmma_fence();
+        const uint64_t dq = smem_desc(sm.q[0], 0, 1024), dk = smem_desc(sm.k[buf][0], 0, 1024);
 #pragma unroll
         for (int t = 0; t < kTiles; ++t)
 #pragma unroll
           for (int kk = 0; kk < 4; ++kk)
-            wgmma_ss_k<__nv_bfloat16>(sc, smem_desc(sm.q[t] + kk * 32, 0, 1024),
-                                      smem_desc(sm.k[buf][t] + kk * 32, 0, 1024), t > 0 || kk > 0);
+            wgmma_ss_k<__nv_bfloat16>(sc, desc_offset(dq, t * kTileBytes + kk * 32),
+                                      desc_offset(dk, t * kTileBytes + kk * 32), t > 0 || kk > 0);
         wgmma_commit();
         wgmma_wait<0>();
         fence_regs(sc);
