@@ -148,7 +148,9 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_small_kernel(const _
       // ---- mask (length, invalid page, causal), column maxima --------------------------------
       const bool pg_ok = pg_cur != p.num_blocks;
       const int key0 = kb * kBlockN;
-      small_mask_max<N>(sc, scale_log2, [&](int key, int r) {
+      // Whole: inside the sequence and (causal) visible to every row; the first row sees least.
+      const bool whole = pg_ok && valid == kBlockN && (!causal || key0 + kBlockN - 1 <= causal_shift);
+      small_mask_max<N>(sc, scale_log2, whole, [&](int key, int r) {
         return pg_ok && key0 + key < len && (!causal || key0 + key <= r / hpg + causal_shift);
       }, sm.warp_max, warp, lane);
       // The V tail of the request's last page is garbage (maybe NaN): P is 0 there, 0 * NaN is not.

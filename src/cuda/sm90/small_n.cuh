@@ -44,12 +44,14 @@ __device__ __forceinline__ int small_swz(int r, int c) { return r * 128 + ((((c 
 template <typename T, int N, int kTiles, typename KTile>
 __device__ __forceinline__ void small_qk(const KTile& k_tile, const uint8_t (*q)[N * 128], float (&s)[N / 2]) {
   wgmma_fence();
+  const uint64_t dq = smem_desc(q[0], 0, 1024);  // the Q tiles are consecutive
 #pragma unroll
-  for (int t = 0; t < kTiles; ++t)
+  for (int t = 0; t < kTiles; ++t) {
+    const uint64_t dk = smem_desc(k_tile(t), 0, 1024);
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk)
-      wgmma_ss_small<T, N, 0>(s, smem_desc(k_tile(t) + kk * 32, 0, 1024), smem_desc(q[t] + kk * 32, 0, 1024),
-                              t > 0 || kk > 0);
+      wgmma_ss_small<T, N, 0>(s, desc_offset(dk, kk * 32), desc_offset(dq, t * N * 128 + kk * 32), t > 0 || kk > 0);
+  }
   wgmma_commit();
   wgmma_wait<0>();
   fence_regs(s);
@@ -69,9 +71,10 @@ __device__ __forceinline__ void small_start(float (&m_run)[N / 8][2], float (&l_
     for (int j = 0; j < N / 2; ++j) o[mt][j] = 0.f;
 }
 
-// valid(key, column): whether key (0..63 in the block) counts for column (row or head).
+// valid(key, column): whether key (0..63 in the block) counts for column (row or head); `whole`:
+// every key counts for every column (no per-key test).
 template <int N, typename Valid>
-__device__ __forceinline__ void small_mask_max(float (&s)[N / 2], float scale_log2, const Valid& valid,
+__device__ __forceinline__ void small_mask_max(float (&s)[N / 2], float scale_log2, bool whole, const Valid& valid,
                                                float (*warp_max)[N], int warp, int lane) {
   const int g = lane / 4, t4 = lane % 4, key_lo = warp * 16 + g;
   float mx[N / 8][2];
@@ -83,7 +86,7 @@ __device__ __forceinline__ void small_mask_max(float (&s)[N / 2], float scale_lo
 #pragma unroll
       for (int hk = 0; hk < 2; ++hk) {
         float& v = s[4 * n + 2 * hk + e];
-        v = valid(key_lo + 8 * hk, 8 * n + 2 * t4 + e) ? v * scale_log2 : -INFINITY;
+        v = whole || valid(key_lo + 8 * hk, 8 * n + 2 * t4 + e) ? v * scale_log2 : -INFINITY;
         m = fmaxf(m, v);
       }
       m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 4));
@@ -140,12 +143,14 @@ __device__ __forceinline__ void small_softmax(float (&s)[N / 2], const float (*w
 template <typename T, int N, typename KTile>
 __device__ __forceinline__ void small_pv(const KTile& k_tile, const uint8_t* p, float (&o)[kSmallVTiles][N / 2]) {
   wgmma_fence();
+  const uint64_t dp = smem_desc(p, 0, 1024);
 #pragma unroll
-  for (int mt = 0; mt < kSmallVTiles; ++mt)
+  for (int mt = 0; mt < kSmallVTiles; ++mt) {
+    const uint64_t dv = smem_desc(k_tile(mt), kSmallTileBytes, 1024);
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk)
-      wgmma_ss_small<T, N, 1>(o[mt], smem_desc(k_tile(mt) + kk * 2048, kSmallTileBytes, 1024),
-                              smem_desc(p + kk * 32, 0, 1024), 1);
+      wgmma_ss_small<T, N, 1>(o[mt], desc_offset(dv, kk * 2048), desc_offset(dp, kk * 32), 1);
+  }
   wgmma_commit();
   wgmma_wait<0>();
 #pragma unroll

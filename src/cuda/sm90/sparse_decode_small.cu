@@ -154,7 +154,8 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_small_kernel(const 
         float sc[N / 2];
         small_qk<__nv_bfloat16, N, kTiles>([&](int t) { return sm.k[buf][t]; }, sm.q, sc);
         const uint8_t* valid = sm.valid[buf];
-        small_mask_max<N>(sc, scale_log2, [&](int key, int) { return valid[key] != 0; }, sm.warp_max, warp, lane);
+        small_mask_max<N>(sc, scale_log2, false, [&](int key, int) { return valid[key] != 0; }, sm.warp_max, warp,
+                          lane);
         named_sync(1, 128);
         small_softmax<__nv_bfloat16, N>(sc, sm.warp_max, m_run, l_part, o, sm.p, warp, lane);
         named_sync(1, 128);  // P complete; every thread has read warp_max
