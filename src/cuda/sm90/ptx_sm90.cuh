@@ -103,6 +103,19 @@ __device__ __forceinline__ void cp_async_16(void* dst, const void* src, uint32_t
 }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 
+// ---- registers between warpgroups ---------------------------------------------------------------
+
+// Every thread of the warpgroup raises (inc) or lowers (dec) its register count to kRegs (a
+// multiple of 8); the CTA's registers only move between its warpgroups.
+template <int kRegs>
+__device__ __forceinline__ void set_max_regs_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+}
+template <int kRegs>
+__device__ __forceinline__ void set_max_regs_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+}
+
 // ---- thread-block clusters ------------------------------------------------------------------------
 
 __device__ __forceinline__ int cluster_rank() {

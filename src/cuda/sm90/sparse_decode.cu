@@ -100,15 +100,6 @@ struct Smem {
 
 #if defined(MLA_SM90A_DEVICE)
 
-template <int kRegs>
-__device__ __forceinline__ void set_max_regs_inc() {
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));
-}
-template <int kRegs>
-__device__ __forceinline__ void set_max_regs_dec() {
-  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs));
-}
-
 // Warpgroup kWg (0 or 1) of the consumers: the CTA's pieces, block by block, then each piece's
 // epilogue for this warpgroup's 256 output columns.
 template <KvFormat F, int kWg, int kPeers>

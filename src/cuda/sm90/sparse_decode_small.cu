@@ -4,14 +4,15 @@
 // attention sink, topk_length, an extra cache with its own page size, extra_topk_length; indices
 // outside the cache are invalid and never read.
 //
-// Schedule (256 threads, one CTA per (query token s, plan part), persistent over the part's
+// Schedule (384 threads, one CTA per (query token s, plan part), persistent over the part's
 // pieces; one CTA per SM):
-//   * warpgroup 1 produces: per 64-slot block, two threads per token gather the FP8 record with
-//     16-byte loads (8-byte for MODEL1, whose records are only 8-byte aligned), dequantise it to
-//     bf16 (exactly as the reference: e4m3 * scale rounded to bf16; RoPE copied) and store it into
-//     a 64 x D key buffer in the 128-byte swizzle, with a validity flag per token; two buffers
-//     handed over with full / empty mbarriers;
-//   * warpgroup 0 consumes, with the heads as wgmma's N (16 or 32; no padding to 64):
+//   * warpgroups 1 and 2 produce (setmaxnreg 136), each half of every 64-slot block, one block
+//     ahead: four threads per token gather the FP8 record with 16-byte loads (8-byte for MODEL1,
+//     whose records are only 8-byte aligned), dequantise it to bf16 (exactly as the reference:
+//     e4m3 * scale rounded to bf16; RoPE copied) and store it into a 64 x D key buffer in the
+//     128-byte swizzle, with a validity flag per token; two buffers handed over with full / empty
+//     mbarriers;
+//   * warpgroup 0 (setmaxnreg 232) consumes, with the heads as wgmma's N (16 or 32; no padding to 64):
 //     S^T (64 tokens x N heads) = K Q^T, masked by the validity flags; the softmax down the columns
 //     of S^T (lanes sharing a head, then the four warps through shared memory); P (N x 64) to
 //     shared memory; O^T (512 x N) += V^T P^T with V read transposed from the buffer;
@@ -45,12 +46,18 @@ namespace sm90_sparse_small {
 
 using namespace sm90;
 
-constexpr int kThreads = 256;  // warpgroup 0 consumes, warpgroup 1 produces
+constexpr int kProducerWgs = 2;                    // warpgroups 1 and 2 produce, each half of every block
+constexpr int kThreads = 128 * (1 + kProducerWgs);  // warpgroup 0 consumes
 constexpr int kBlockN = 64;    // tokens per block = plan block = wgmma M of S^T
 constexpr int kTileBytes = kBlockN * 128;
 [[maybe_unused]] constexpr int kVTiles = 8;  // d_v 512
 static_assert(kBlockN == kPlanBlockSize, "one token block per plan block");
-static_assert(kThreads == 2 * 128 && 2 * kBlockN == 128, "two producer threads per token");
+constexpr int kTokenParts = kProducerWgs * 128 / kBlockN;
+static_assert(kTokenParts == 4, "four producer threads per token");
+// Registers per thread after setmaxnreg: the CTA starts with 168 (64 K / 384) and the three
+// warpgroups' counts must sum to at most 3 x 168.
+constexpr int kRegsConsumer = 232, kRegsProducer = 136;
+static_assert(kRegsConsumer + kProducerWgs * kRegsProducer <= 3 * ((65536 / kThreads) / 8 * 8), "moved, never added");
 
 template <int D, int N>
 struct Smem {
@@ -83,7 +90,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_small_kernel(const 
   const DecodePlanParams plan = sparse_plan_params(p);
 
   if (tid == 0) {
-    for (int b = 0; b < 2; ++b) mbar_init(&sm.full[b], 128), mbar_init(&sm.empty[b], 128);
+    for (int b = 0; b < 2; ++b) mbar_init(&sm.full[b], kProducerWgs * 128), mbar_init(&sm.empty[b], 128);
     fence_barrier_init();
   }
   __syncthreads();
@@ -92,18 +99,21 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_small_kernel(const 
   const int num_pieces = decode_io::num_pieces(p.split, p.b, part);
   uint32_t block_count = 0;  // blocks this CTA has handed over so far: buffer count % 2, phase (count / 2) % 2
 
-  if (wg == 1) {
-    // ---- producer: gather, dequantise, store, one block ahead ---------------------------------
-    // The records of the next block are loaded into registers before this block is dequantised
-    // and stored, so one block's loads are always in flight behind the conversion work; the
-    // indices of the block after are read meanwhile.
-    const int t = wtid / 2, half = wtid % 2;  // token of the block, half of its dims
-    using Part = TokenPart<F, 2>;
+  if (wg >= 1) {
+    // ---- producers: gather, dequantise, store, one block ahead ---------------------------------
+    // Each of the two warpgroups takes half of every block's tokens, four threads per token (two
+    // producer warps per scheduler hide each other's conversion and load latencies). The records
+    // of the next block are loaded into registers before this block is dequantised and stored, so
+    // one block's loads are always in flight behind the conversion work; the indices of the block
+    // after are read meanwhile.
+    set_max_regs_dec<kRegsProducer>();
+    const int t = (wg - 1) * (kBlockN / kProducerWgs) + wtid / kTokenParts, tp = wtid % kTokenParts;
+    using Part = TokenPart<F, kTokenParts>;
     RoundWalk<1> ahead{BlockWalk{num_pieces, s}};
     auto step = [&]() { return ahead.advance(p, plan, part); };
     auto locate = [&]() { return ahead.blocks.locate(p, t); };
     bool have = step();
-    Part cur = have ? load_token_part<F, 2>(p, locate(), half) : Part{};
+    Part cur = have ? load_token_part<F, kTokenParts>(p, locate(), tp) : Part{};
     bool have_next = have && step();
     TokenRef ref_next = have_next ? locate() : TokenRef{};
     while (have) {
@@ -111,10 +121,10 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_small_kernel(const 
       const bool have_after = have_next && step();
       const TokenRef ref_after = have_after ? locate() : TokenRef{};
       Part next;  // unused past the last step
-      if (have_next) next = load_token_part<F, 2>(p, ref_next, half);
+      if (have_next) next = load_token_part<F, kTokenParts>(p, ref_next, tp);
       mbar_wait(&sm.empty[buf], ((block_count / 2) & 1) ^ 1);
-      store_token_part<F, 2>(cur, sm.k[buf], t, half);
-      if (half == 0) sm.valid[buf][t] = cur.ok;
+      store_token_part<F, kTokenParts>(cur, sm.k[buf], t, tp);
+      if (tp == 0) sm.valid[buf][t] = cur.ok;
       fence_proxy_async();
       mbar_arrive(&sm.full[buf]);
       ++block_count;
@@ -125,6 +135,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_small_kernel(const 
     }
   } else {
     // ---- consumer: S^T, softmax, O^T -----------------------------------------------------------
+    set_max_regs_inc<kRegsConsumer>();
     const float scale_log2 = p.softmax_scale * kLog2e;
     const int key_lo = warp * 16 + g;
     const auto* q = reinterpret_cast<const __nv_bfloat16*>(p.q);
