@@ -239,26 +239,21 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_kernel(const __grid_
       float row_max[2] = {-INFINITY, -INFINITY};
       {
         const bool pg_ok = mine && (wg == 0 ? pg0 : pg1) != p.num_blocks;
-        // A block whose every key is inside the sequence and visible to both of this thread's rows
-        // (all but the last block or two of a request) needs no per-key test.
-        const int last_key = (kb + 1) * kBlockN - 1;
-        if (pg_ok && last_key < len && last_key <= min(row_limit[0], row_limit[1])) {
+        // Key kb * 64 + 8 n + 2 t4 + e2 counts for row h iff 8 n + e2 <= thr[h]: the last key the
+        // row may see (sequence end, causal limit; none on an invalid page) less this thread's
+        // first key, so that each key's test is one compare with a constant (no branch, which
+        // would make ptxas fence the next wgmma chain that writes s).
+        int thr[2];
 #pragma unroll
-          for (int n = 0; n < 32; ++n) {
-            s[n] *= scale_log2;
-            row_max[(n % 4) / 2] = fmaxf(row_max[(n % 4) / 2], s[n]);
+        for (int h = 0; h < 2; ++h) thr[h] = pg_ok ? min(len - 1, row_limit[h]) - (kb * kBlockN + 2 * t4) : -1;
+#pragma unroll
+        for (int n = 0; n < 8; ++n)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int h = e / 2;
+            s[n * 4 + e] = n * 8 + (e % 2) <= thr[h] ? s[n * 4 + e] * scale_log2 : -INFINITY;
+            row_max[h] = fmaxf(row_max[h], s[n * 4 + e]);
           }
-        } else {
-#pragma unroll
-          for (int n = 0; n < 8; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              const int h = e / 2, key = kb * kBlockN + n * 8 + 2 * t4 + (e % 2);
-              const bool ok = pg_ok && key < len && key <= row_limit[h];
-              s[n * 4 + e] = ok ? s[n * 4 + e] * scale_log2 : -INFINITY;
-              row_max[h] = fmaxf(row_max[h], s[n * 4 + e]);
-            }
-        }
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           row_max[h] = fmaxf(row_max[h], __shfl_xor_sync(0xffffffffu, row_max[h], 1));
@@ -271,8 +266,8 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_kernel(const __grid_
         float m0[2], a0[2], sum[2] = {0.f, 0.f};
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          m0[h] = fmaxf(m_prev[h], row_max[h]);
-          a0[h] = m0[h] == -INFINITY ? 1.f : exp2_ftz(m_prev[h] - m0[h]);
+          m0[h] = lazy_max(m_prev[h], row_max[h]);
+          a0[h] = m0[h] == m_prev[h] ? 1.f : exp2_ftz(m_prev[h] - m0[h]);
         }
         exponentiate(s, m0, sum);
         if (t4 == 0) sm.m[rr[0]] = m0[0], sm.m[rr[1]] = m0[1];
@@ -293,14 +288,18 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_kernel(const __grid_
         float s1[2];
 #pragma unroll
         for (int h = 0; h < 2; ++h) s1[h] = sm.s1[rr[h]], m_prev[h] = sm.m[rr[h]];
+        const bool rescale1 = __any_sync(0xffffffffu, s1[0] != 1.f || s1[1] != 1.f);
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk)
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const int h = e % 2;
-            const float2 v = unpack<T>(pa[kk][e]);
-            *reinterpret_cast<uint32_t*>(sm.p(0) + swz(rr[h], kk * 16 + (e / 2) * 8 + 2 * t4)) =
-                ptx::pack2<T>(v.x * s1[h], v.y * s1[h]);
+            uint32_t v = pa[kk][e];
+            if (rescale1) {
+              const float2 f = unpack<T>(v);
+              v = ptx::pack2<T>(f.x * s1[h], f.y * s1[h]);
+            }
+            *reinterpret_cast<uint32_t*>(sm.p(0) + swz(rr[h], kk * 16 + (e / 2) * 8 + 2 * t4)) = v;
           }
         fence_proxy_async();
         named_arrive(kBarP0, kThreads);
@@ -336,9 +335,9 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_kernel(const __grid_
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const float m0 = sm.m[rr[h]];
-          m1[h] = fmaxf(m0, row_max[h]);
-          const float s1 = m1[h] == -INFINITY ? 1.f : exp2_ftz(m0 - m1[h]);
-          const float a0 = m0 == -INFINITY ? 1.f : exp2_ftz(m_prev[h] - m0);
+          m1[h] = lazy_max(m0, row_max[h]);
+          const float s1 = m1[h] == m0 ? 1.f : exp2_ftz(m0 - m1[h]);
+          const float a0 = m0 == m_prev[h] ? 1.f : exp2_ftz(m_prev[h] - m0);
           f[h] = a0 * s1;
           if (t4 == 0) sm.s1[rr[h]] = s1;
         }

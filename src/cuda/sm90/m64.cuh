@@ -50,6 +50,14 @@ __device__ __forceinline__ void exponentiate(float (&s)[32], const float (&m)[2]
   }
 }
 
+// The running max after a block whose max is `block`, moved lazily: only when the block exceeds it
+// by more than 2^8 (log2 units), so that most blocks leave it, and with it O and the sums, as they
+// are (exp2(S - m) <= 2^8 then, well inside fp32 and the 16-bit P). From -inf it always moves.
+__device__ __forceinline__ float lazy_max(float m, float block) {
+  constexpr float kSlack = 8.f;
+  return block > m + kSlack ? block : m;
+}
+
 // Rescales this thread's two rows of a warpgroup's 64 x 256 output: row g by f0, row g + 8 by f1.
 __device__ __forceinline__ void scale_rows(float (&o)[128], float f0, float f1) {
 #pragma unroll

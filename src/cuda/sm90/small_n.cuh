@@ -21,6 +21,7 @@
 
 #include "mla/params.h"
 #include "mla/types.h"
+#include "m64.cuh"
 #include "ptx_sm90.cuh"
 
 namespace mla::cuda::sm90 {
@@ -114,8 +115,8 @@ __device__ __forceinline__ void small_softmax(float (&s)[N / 2], const float (*w
     for (int e = 0; e < 2; ++e) {
       const int c = 8 * n + 2 * t4 + e;
       const float blk = fmaxf(fmaxf(warp_max[0][c], warp_max[1][c]), fmaxf(warp_max[2][c], warp_max[3][c]));
-      const float m_new = fmaxf(m_run[n][e], blk);
-      alpha[n][e] = m_new == -INFINITY ? 1.f : exp2_ftz(m_run[n][e] - m_new);
+      const float m_new = lazy_max(m_run[n][e], blk);
+      alpha[n][e] = m_new == m_run[n][e] ? 1.f : exp2_ftz(m_run[n][e] - m_new);
       m_run[n][e] = m_new;
       const float base = m_new == -INFINITY ? 0.f : m_new;  // all of the column's S are -inf then
       float sum = 0.f;
@@ -128,12 +129,17 @@ __device__ __forceinline__ void small_softmax(float (&s)[N / 2], const float (*w
       }
       l_part[n][e] = l_part[n][e] * alpha[n][e] + sum;
     }
+  bool moved = false;
 #pragma unroll
-  for (int mt = 0; mt < kSmallVTiles; ++mt)
+  for (int n = 0; n < N / 8; ++n) moved = moved || alpha[n][0] != 1.f || alpha[n][1] != 1.f;
+  if (__any_sync(0xffffffffu, moved)) {
 #pragma unroll
-    for (int n = 0; n < N / 8; ++n)
+    for (int mt = 0; mt < kSmallVTiles; ++mt)
 #pragma unroll
-      for (int q = 0; q < 4; ++q) o[mt][4 * n + q] *= alpha[n][q % 2];
+      for (int n = 0; n < N / 8; ++n)
+#pragma unroll
+        for (int q = 0; q < 4; ++q) o[mt][4 * n + q] *= alpha[n][q % 2];
+  }
   // Keep the rescale ahead of the next wgmma fence (else the compiler adds one arrive per chain).
 #pragma unroll
   for (int mt = 0; mt < kSmallVTiles; ++mt) fence_regs(o[mt]);
