@@ -274,7 +274,7 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_kernel(const __grid_
         named_arrive(kBarM0, kThreads);
 #pragma unroll
         for (int h = 0; h < 2; ++h) l_own[h] = l_own[h] * a0[h] + sum[h];
-        scale_rows(o, a0[0], a0[1]);
+        if (__any_sync(0xffffffffu, a0[0] != 1.f || a0[1] != 1.f)) scale_rows(o, a0[0], a0[1]);
         uint32_t pa[4][4];
         pack_p<T>(s, pa);
         if (valid0 < kBlockN) zero_v_tail(sm, 0, 0, valid0, wtid, kBarWg0);
@@ -312,7 +312,7 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_kernel(const __grid_
           if (valid1 < kBlockN) zero_v_tail(sm, 1, 0, valid1, wtid, kBarWg0);
         }
         named_sync(kBarV0RIssued, kThreads);
-        scale_rows(o, s1[0], s1[1]);
+        if (rescale1) scale_rows(o, s1[0], s1[1]);
         if (has1) pv_ss<T>(sm.p(1), sm.k[1][0], o);
         if (next0) qk_issue<T, D>(sm, 0, parity(0, jp + 1), 0, kVTilesPerWg, s);
         if (has1) {
@@ -349,7 +349,7 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_kernel(const __grid_
           m_prev[h] = m1[h];
           l_own[h] = l_own[h] * f[h] + sum[h];
         }
-        scale_rows(o, f[0], f[1]);
+        if (__any_sync(0xffffffffu, f[0] != 1.f || f[1] != 1.f)) scale_rows(o, f[0], f[1]);
         uint32_t pa[4][4];
         pack_p<T>(s, pa);
         if (has1) {
