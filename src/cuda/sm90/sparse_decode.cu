@@ -66,8 +66,6 @@ constexpr int kBlockN = 64;    // tokens per block = plan block
 constexpr int kRoundTokens = 32;  // tokens a producer round covers (four threads per token)
 [[maybe_unused]] constexpr int kTokenParts = 128 / kRoundTokens;
 constexpr int kTileBytes = kM64TileBytes;
-// How far (log2 units) a block's max may exceed the running max before O is rescaled to it.
-constexpr float kRescaleSlack = 8.f;
 [[maybe_unused]] constexpr int kVTilesPerWg = 4;  // each consumer warpgroup owns 256 output columns = 4 tiles
 static_assert(kBlockN == kPlanBlockSize, "one token block per plan block");
 static_assert(kBlockN == 2 * kRoundTokens, "two producer rounds per block");
@@ -179,12 +177,10 @@ __device__ __forceinline__ void consume(const SparseDecodeParams& p, Smem<Sparse
         for (int h = 0; h < 2; ++h) {
           row_max[h] = fmaxf(row_max[h], __shfl_xor_sync(0xffffffffu, row_max[h], 1));
           row_max[h] = fmaxf(row_max[h], __shfl_xor_sync(0xffffffffu, row_max[h], 2));
-          // Lazy rescale: the running max moves only when the block's exceeds it by more than
-          // kRescaleSlack, so P <= 2^kRescaleSlack and most blocks leave O as it is.
-          const float m_new = fmaxf(m_run[h], row_max[h]);
-          const bool move = m_new > m_run[h] + kRescaleSlack;  // never while both are -inf
-          factor[h] = move ? exp2_ftz(m_run[h] - m_new) : 1.f;
-          if (move) m_run[h] = m_new;
+          // Lazy rescale: most blocks leave the running max, and with it O, as they are.
+          const float m_new = lazy_max(m_run[h], row_max[h]);
+          factor[h] = m_new == m_run[h] ? 1.f : exp2_ftz(m_run[h] - m_new);
+          m_run[h] = m_new;
         }
         exponentiate(sc, m_run, sum);
 #pragma unroll
