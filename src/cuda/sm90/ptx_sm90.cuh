@@ -154,6 +154,16 @@ __device__ __forceinline__ void st_async_4(uint32_t dst, uint32_t v, uint32_t ba
                : "memory");
 }
 
+// `bytes` (a multiple of 16, both addresses 16-byte aligned) of this CTA's shared memory copied by
+// the bulk-copy engine into another CTA's (`dst`, `bar` from peer_addr), completing on its mbarrier
+// `bar` like st.async. The source must have been written before a fence_proxy_async by every writer.
+__device__ __forceinline__ void bulk_copy_to_peer(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
+      "r"(smem_addr(src)), "r"(bytes), "r"(bar)
+      : "memory");
+}
+
 // ---- wgmma ----------------------------------------------------------------------------------------
 
 __device__ __forceinline__ uint64_t smem_desc(const void* tile, uint32_t lbo_bytes, uint32_t sbo_bytes) {

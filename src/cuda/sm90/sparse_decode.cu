@@ -12,12 +12,13 @@
 //     64 x D key buffer in the 128-byte swizzle, with a validity flag per token; two buffers handed
 //     over with full / empty mbarriers (one arrival per warp);
 //   * with 65 to 128 heads the token's two 64-head CTAs form a cluster: each producer takes one of
-//     the two rounds of every block and stores it into both CTAs' buffers (distributed shared
-//     memory), so each CTA dequantises half of what it multiplies (FlashMLA's crossover). The
-//     peer's half arrives by st.async, whose bytes complete on this CTA's full barrier (warp 0 of
-//     the producer expects them); empty counts both CTAs' consumer warps (remote arrivals); every
-//     wait is CTA-scoped, as in a TMA-multicast pipeline (cluster-scope acquires cost 17% of the
-//     stall samples in L1 invalidations);
+//     the two rounds of every block, stores it into its own buffer, and each producer warp copies
+//     its eight rows of every tile into the peer's buffer with the bulk-copy engine (nine 1 KB
+//     copies per warp and block), so each CTA dequantises half of what it multiplies (FlashMLA's
+//     crossover). The copies and the flags (st.async) complete their bytes on the peer's full
+//     barrier (warp 0 of the peer's producer expects them); empty counts both CTAs' consumer warps
+//     (remote arrivals); every wait is CTA-scoped, as in a TMA-multicast pipeline (cluster-scope
+//     acquires cost 17% of the stall samples in L1 invalidations);
 //   * warpgroup 0 (setmaxnreg 208): S = Q K^T (64 heads x 64 tokens, wgmma m64n64k16 over the D / 64
 //     tiles), invalid tokens masked, online softmax (running max and sum per head in registers;
 //     the max moves only when a block exceeds it by more than 2^8, so most blocks skip the rescale),
@@ -31,14 +32,15 @@
 //     ones (the combine kernel applies the sink), each warpgroup its 256 columns.
 // Tile sizes: 64 heads, 64-token blocks, two bf16 key buffers (144 KB at d_qk 576) + Q (72 KB) +
 // P (8 KB); wgmma m64n64k16 (S) and m64n256k16 (P V).
-// Reached on an H200 (bench/RESULTS.md, FlashMLA in the same run, commit 5655e81): V3.2 b=128
-// h_q=128 topk 2048 237.3 us (FlashMLA 197.1 us, 0.83x; the portable kernel 1293.7); b=32 s_q=2
-// 120.0 us (98.8); MODEL1 b=128 h_q=128 mixed with sink 117.2 us (105.5, 0.90x). Steps: the
-// crossover 515 -> 357 us; st.async instead of cluster-scope fences and acquires 357 -> 316; the
-// producer's per-thread store offsets, index a step ahead, lengths once per request and cache as a
-// flag 316 -> 237; exp2 in one MUFU and the lazy rescale 291 -> 285 (within those). ncu before the
-// last producer fix: the consumers waited on `full` for about half their samples, so the producer
-// (four warps, one per scheduler, latency-bound) is still the limit.
+// Reached on an H200 (bench/RESULTS.md, FlashMLA in the same run): V3.2 b=128 h_q=128 topk 2048
+// 197.1 us (FlashMLA 198.3 us; the portable kernel 1293.7); b=32 s_q=2 100.7 us (98.9); MODEL1
+// b=128 h_q=128 mixed with sink 102.5 us (105.6). Steps: the crossover 515 -> 357 us; st.async
+// instead of cluster-scope fences and acquires 357 -> 316; the producer's per-thread store offsets,
+// index a step ahead, lengths once per request and cache as a flag 316 -> 237; the peer's half by
+// bulk copy instead of a st.async per 16 bytes 241 -> 197 (timed alone, the producers went from
+// 191 to 128 us: ncu had them stalled on their store queue, short scoreboard on the registers the
+// queued st.async still had to read). Timed alone (MLA_SPARSE_DIAG below) the consumers take
+// 152 us, so they are now the limit.
 #include <cuda_runtime.h>
 
 #include <atomic>
@@ -58,6 +60,12 @@ namespace mla::cuda {
 namespace sm90_sparse {
 
 using namespace sm90;
+// Timing aid, never for results: MLA_SPARSE_DIAG=1 makes the consumers skip their products (the
+// producers alone), 2 makes the producers skip their loads and stores (the consumers alone).
+#ifndef MLA_SPARSE_DIAG
+#define MLA_SPARSE_DIAG 0
+#endif
+constexpr int kDiag = MLA_SPARSE_DIAG;
 
 constexpr int kThreads = 384;  // warpgroups 0 and 1 consume, 2 produces
 [[maybe_unused]] constexpr int kConsumers = 256;
@@ -145,7 +153,9 @@ __device__ __forceinline__ void consume(const SparseDecodeParams& p, Smem<Sparse
     for (int j = 0; j < n_blocks; ++j, ++count) {
       const int buf = count & 1;
       mbar_wait(&sm.full[buf], (count / 2) & 1);
-      if constexpr (kWg == 0) {
+      if constexpr (kDiag == 1) {
+        // timing aid: the buffer goes straight back
+      } else if constexpr (kWg == 0) {
         // ---- S = Q K^T, masked; m, P, l -------------------------------------------------------
         float sc[32];
         wgmma_fence();
@@ -284,8 +294,9 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_kernel(const __grid
     auto round_of = [&](int r) { return kPeers > 1 ? rank : r; };
     const int tq = wtid / kTokenParts, tp = wtid % kTokenParts;  // token of the round, its part
     const int warp = wtid / 32, lane = wtid % 32;
-    // The peer's key buffers, validity flags and full barriers (cluster addresses). Its half of each
-    // block arrives with st.async, completing on our full barrier: a round of tokens and their flags.
+    // The peer's key buffers, validity flags and full barriers (cluster addresses). Our half of each
+    // block goes there by bulk copy and st.async, completing on its full barrier: a round of tokens
+    // and their flags.
     const uint32_t peer_k = kPeers > 1 ? peer_addr(&sm.k[0][0][0], peer) : 0;
     const uint32_t peer_valid = kPeers > 1 ? peer_addr(&sm.valid[0][0], peer) : 0;
     const uint32_t peer_full = kPeers > 1 ? peer_addr(&sm.full[0], peer) : 0;
@@ -296,7 +307,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_kernel(const __grid
     auto step = [&]() { return ahead.advance(p, plan, part); };
     auto locate = [&]() { return ahead.blocks.locate(p, round_of(ahead.round) * kRoundTokens + tq); };
     bool have = step();
-    Part cur = have ? load_token_part<F, kTokenParts>(p, locate(), tp) : Part{};
+    Part cur = have && kDiag != 2 ? load_token_part<F, kTokenParts>(p, locate(), tp) : Part{};
     bool have_next = have && step();
     TokenRef ref_next = have_next ? locate() : TokenRef{};
     uint32_t count = 0;  // blocks handed over: buffer count % 2, phase (count / 2) % 2
@@ -305,19 +316,27 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_kernel(const __grid
       const bool have_after = have_next && step();
       const TokenRef ref_after = have_after ? locate() : TokenRef{};
       Part next;  // unused past the last step
-      if (have_next) next = load_token_part<F, kTokenParts>(p, ref_next, tp);
+      if (have_next && kDiag != 2) next = load_token_part<F, kTokenParts>(p, ref_next, tp);
       const int buf = count & 1;
       if (r == 0) mbar_wait(&sm.empty[buf], ((count / 2) & 1) ^ 1);
       const int t = round_of(r) * kRoundTokens + tq;
       const uint32_t peer_full_buf = peer_full + buf * sizeof(uint64_t);
-      store_token_part<F, kTokenParts>(cur, t, tp, [&](int tile, int off, const uint4& v) {
-        *reinterpret_cast<uint4*>(sm.k[buf][tile] + off) = v;
-        if constexpr (kPeers > 1)
-          st_async_16(peer_k + ((buf * SmemT::kTiles + tile) * kTileBytes + off), v, peer_full_buf);
-      });
+      if constexpr (kDiag != 2) store_token_part<F, kTokenParts>(cur, sm.k[buf], t, tp);
+      if constexpr (kPeers > 1 && kDiag != 2) {
+        // The warp's eight rows of every tile (1 KB each, contiguous) go to the peer's buffer by bulk
+        // copy once the warp's stores reach the async proxy: nine copies per warp instead of a
+        // st.async per 16 bytes, which kept the producer's store queue full.
+        fence_proxy_async();
+        __syncwarp();
+        if (lane < SmemT::kTiles) {
+          const uint32_t rows = uint32_t(round_of(r) * kRoundTokens + 8 * warp) * 128u;
+          bulk_copy_to_peer(peer_k + (buf * SmemT::kTiles + lane) * kTileBytes + rows, sm.k[buf][lane] + rows, 8 * 128,
+                            peer_full_buf);
+        }
+      }
       // The warp's eight tokens' flags (lane 4j holds token 8 warp + j), as two 4-byte words.
       const uint32_t oks = __ballot_sync(0xffffffffu, cur.ok);
-      if (lane == 0) {
+      if (lane == 0 && kDiag != 2) {
         const int t0 = round_of(r) * kRoundTokens + 8 * warp;
 #pragma unroll
         for (int w = 0; w < 2; ++w) {
@@ -334,7 +353,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_kernel(const __grid
         fence_proxy_async();
         __syncwarp();
         if (lane == 0) {
-          if (kPeers > 1 && warp == 0) mbar_expect_tx(&sm.full[buf], kPeerBytes);
+          if (kPeers > 1 && warp == 0 && kDiag != 2) mbar_expect_tx(&sm.full[buf], kPeerBytes);
           else mbar_arrive(&sm.full[buf]);
         }
         ++count;
