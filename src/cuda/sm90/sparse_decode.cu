@@ -33,14 +33,17 @@
 // Tile sizes: 64 heads, 64-token blocks, two bf16 key buffers (144 KB at d_qk 576) + Q (72 KB) +
 // P (8 KB); wgmma m64n64k16 (S) and m64n256k16 (P V).
 // Reached on an H200 (bench/RESULTS.md, FlashMLA in the same run): V3.2 b=128 h_q=128 topk 2048
-// 197.1 us (FlashMLA 198.3 us; the portable kernel 1293.7); b=32 s_q=2 100.7 us (98.9); MODEL1
-// b=128 h_q=128 mixed with sink 102.5 us (105.6). Steps: the crossover 515 -> 357 us; st.async
+// 197.6 us (FlashMLA 196.7 us, 1.00x; the portable kernel 1293.7); b=32 s_q=2 101.2 us (99.1,
+// 0.98x); MODEL1 b=128 h_q=128 mixed with sink 101.7 us (104.7, 1.03x). Steps: the crossover 515 -> 357 us; st.async
 // instead of cluster-scope fences and acquires 357 -> 316; the producer's per-thread store offsets,
 // index a step ahead, lengths once per request and cache as a flag 316 -> 237; the peer's half by
 // bulk copy instead of a st.async per 16 bytes 241 -> 197 (timed alone, the producers went from
 // 191 to 128 us: ncu had them stalled on their store queue, short scoreboard on the registers the
 // queued st.async still had to read). Timed alone (MLA_SPARSE_DIAG below) the consumers take
-// 152 us, so they are now the limit.
+// 151 us and the producers 128, but together 197: ncu still has warpgroup 0 waiting on `full` for
+// a fifth of its time (the producers slow down beside the consumers: loads, shared-memory
+// traffic), so the two buffers are the limit; a third does not fit beside Q (72 KB) at d_qk 576.
+// Warpgroup 0 issues O_L += P V_L before it hands P over (the hand-over runs under the product).
 #include <cuda_runtime.h>
 
 #include <atomic>
@@ -198,7 +201,12 @@ __device__ __forceinline__ void consume(const SparseDecodeParams& p, Smem<Sparse
         uint32_t pa[4][4];
         pack_p<__nv_bfloat16>(sc, pa);
 
+        // ---- O_L = O_L a + P V_L, issued first: it runs while P is handed to warpgroup 1 ---------
+        if (__any_sync(0xffffffffu, factor[0] != 1.f || factor[1] != 1.f)) scale_rows(o, factor[0], factor[1]);
+        pv_rs<__nv_bfloat16>(sm.k[buf][0], pa, o);
+
         // ---- P and the factors for warpgroup 1, once it is done with the previous block's ------
+        // (pa is only read here, which the product in flight allows.)
         if (count > 0) named_sync(kBarPFree, kConsumers);
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk)
@@ -208,10 +216,6 @@ __device__ __forceinline__ void consume(const SparseDecodeParams& p, Smem<Sparse
         if (t4 == 0) sm.factor[rr[0]] = factor[0], sm.factor[rr[1]] = factor[1];
         fence_proxy_async();
         named_arrive(kBarPReady, kConsumers);
-
-        // ---- O_L = O_L a + P V_L ----------------------------------------------------------------
-        if (__any_sync(0xffffffffu, factor[0] != 1.f || factor[1] != 1.f)) scale_rows(o, factor[0], factor[1]);
-        pv_rs<__nv_bfloat16>(sm.k[buf][0], pa, o);
         wgmma_wait<0>();
         fence_regs(o);
       } else {
@@ -328,10 +332,14 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_kernel(const __grid
         // st.async per 16 bytes, which kept the producer's store queue full.
         fence_proxy_async();
         __syncwarp();
-        if (lane < SmemT::kTiles) {
+        // One lane issues the nine (their operands are uniform registers; the compiler wraps each
+        // in a loop over the lanes that issue it, so one lane, one pass).
+        if (lane == 0) {
           const uint32_t rows = uint32_t(round_of(r) * kRoundTokens + 8 * warp) * 128u;
-          bulk_copy_to_peer(peer_k + (buf * SmemT::kTiles + lane) * kTileBytes + rows, sm.k[buf][lane] + rows, 8 * 128,
-                            peer_full_buf);
+#pragma unroll
+          for (int tile = 0; tile < SmemT::kTiles; ++tile)
+            bulk_copy_to_peer(peer_k + (buf * SmemT::kTiles + tile) * kTileBytes + rows, sm.k[buf][tile] + rows,
+                              8 * 128, peer_full_buf);
         }
       }
       // The warp's eight tokens' flags (lane 4j holds token 8 warp + j), as two 4-byte words.
