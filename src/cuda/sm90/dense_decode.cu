@@ -31,11 +31,14 @@
 // Tile sizes: BLOCK_M 64 rows, 64 keys per block, 64 x 64 TMA tiles (128-byte swizzle), two key
 // buffers; wgmma m64n64k16 (S, both operands in shared memory) and m64n256k16 (P V, P from
 // registers for the own block, from shared memory for the other warpgroup's).
-// Reached on an H200 (bench/RESULTS.md, whole API call, FlashMLA timed in the same run, commit
-// 5655e81): dense b=128 h_q=128 s_k=4096 varlen 326.0 us = 423 TFLOPS (54% of the matmul ceiling;
-// FlashMLA 260.0 us, 0.80x); s_q=2 causal s_k=8192 1071.3 us = 510 TFLOPS (FlashMLA 884.2 us);
-// b=2 s_k=65536 110.2 us (FlashMLA 87.6); b=8 s_k=1024 41.0 us (33.4). (h_q=16 goes to the
-// small-rows kernel.) The softmax's exp2 in one MUFU (exp2_ftz) took h_q=128 from 356 to 326 us.
+// Reached on an H200 (bench/RESULTS.md, whole API call, FlashMLA timed in the same run): dense
+// b=128 h_q=128 s_k=4096 varlen 313.9 us = 439 TFLOPS (56% of the matmul ceiling; FlashMLA 259.1
+// us, 0.83x); s_q=2 causal s_k=8192 984.9 us = 555 TFLOPS (FlashMLA 872.8 us, 0.89x); at 5655e81
+// b=2 s_k=65536 110.2 us (FlashMLA 87.6), b=8 s_k=1024 41.0 us (33.4). (h_q=16 goes to the
+// small-rows kernel.) Steps: the softmax's exp2 in one MUFU (exp2_ftz) 356 -> 326 us; wgmma
+// descriptors at constant offsets from two bases, the per-key mask as one compare against a
+// per-row threshold, the lazy running max and O rescales skipped by a warp vote 326 -> 314 us
+// (s_q=2 1071 -> 985).
 // Where the time goes (ncu stall samples at h_q=128, before that): each warpgroup's next S waits
 // for its first reloaded tiles (~10%: a freed tile is reloaded only one product before it is
 // needed), the four cross-warpgroup barriers per pair (~12%), the wgmma issue itself; a pair of

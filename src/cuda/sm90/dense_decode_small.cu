@@ -20,9 +20,11 @@
 //   * epilogue: O^T / l to out / lse, or fp32 partials for the combine kernel (programmatic
 //     dependent launch).
 // Tile sizes: 64-key blocks, N = 16 or 32 rows, two key buffers (144 KB at D = 576) + Q (18 / 36 KB).
-// Reached on an H200 (bench/RESULTS.md, commit da0e8dc): dense b=128 h_q=16 s_k=8192 328.6 us =
-// 86.3% of the copy ceiling (FlashMLA, which pads the rows to 64: 315.7 us in the same run; before
-// exp2_ftz 334-361 us; the 64-row Hopper kernel 364-386 us). Tried and measured slower (~470 us):
+// Reached on an H200 (bench/RESULTS.md): dense b=128 h_q=16 s_k=8192 328.6 us = 86.3% of the copy
+// ceiling at da0e8dc (FlashMLA, which pads the rows to 64: 315.7 us in the same run); 333.9-339.2
+// us (FlashMLA 314.7) in a later session's runs with constant-offset descriptors, the whole-block
+// fast path and the lazy max, within that session's spread. Before exp2_ftz 334-361 us; the 64-row
+// Hopper kernel 364-386 us. Tried and measured slower (~470 us):
 // the key tiles in one ring of 25 slots refilled as they free (up to three blocks in flight); the
 // loss was in the wgmma chain, not in the loads.
 #include <cuda.h>

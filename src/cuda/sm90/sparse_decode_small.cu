@@ -19,13 +19,15 @@
 //   * epilogue: O^T / (l + exp2(sink - m)) to out / lse for whole pieces, fp32 partials for split
 //     ones (the combine kernel applies the sink).
 // Tile sizes: 64-token blocks, N = 16 or 32 heads, two bf16 key buffers (144 KB at d_qk 576) + Q.
-// Reached on an H200 (bench/RESULTS.md, FlashMLA padded to 64 heads in the same run, commit
-// 5655e81): V3.2 b=128 h_q=16 topk 2048 155.8 us (FlashMLA 154.4 us); b=64 h_q=32 116.0 us (108.9);
-// MODEL1 b=128 h_q=16 95.8 us (105.5: 1.10x). The limit is the producer. What moved it (183.5 ->
-// 155.8 us at h_q=16): the token's lengths read once per request and its cache named by a flag (the
-// producer had stalled at every block on loads it had just issued), the index read a block ahead of
-// the record, per-thread constant store offsets, branch-free dequantisation. Tried and slower
-// (287 us): whole records staged into shared memory by cp.async.bulk, 16 tokens per stage.
+// Reached on an H200 (bench/RESULTS.md, FlashMLA padded to 64 heads in the same run): V3.2 b=128
+// h_q=16 topk 2048 124.8 us (FlashMLA 153.6 us, 1.23x); b=64 h_q=32 95.5 us (108.9, 1.14x); MODEL1
+// b=128 h_q=16 mixed with sink 83.5 us (106.3, 1.27x). The limit is the producer. What moved it
+// (183.5 -> 155.8 us at h_q=16): the token's lengths read once per request and its cache named by
+// a flag (the producer had stalled at every block on loads it had just issued), the index read a
+// block ahead of the record, per-thread constant store offsets, branch-free dequantisation; then a
+// second producer warpgroup (155.8 -> 124.8: ncu had the single one latency-bound with one warp per
+// scheduler). Tried and slower (287 us): whole records staged into shared memory by
+// cp.async.bulk, 16 tokens per stage.
 #include <cuda_runtime.h>
 
 #include <cstdint>
