@@ -47,6 +47,12 @@ namespace mla::cuda {
 namespace sm90_sparse_small {
 
 using namespace sm90;
+// Timing aid, never for results (as in sparse_decode.cu): MLA_SPARSE_DIAG=1 makes the consumer skip
+// its products (the producers alone), 2 makes the producers skip their loads and stores.
+#ifndef MLA_SPARSE_DIAG
+#define MLA_SPARSE_DIAG 0
+#endif
+constexpr int kDiag = MLA_SPARSE_DIAG;
 
 constexpr int kProducerWgs = 2;                    // warpgroups 1 and 2 produce, each half of every block
 constexpr int kThreads = 128 * (1 + kProducerWgs);  // warpgroup 0 consumes
@@ -115,7 +121,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_small_kernel(const 
     auto step = [&]() { return ahead.advance(p, plan, part); };
     auto locate = [&]() { return ahead.blocks.locate(p, t); };
     bool have = step();
-    Part cur = have ? load_token_part<F, kTokenParts>(p, locate(), tp) : Part{};
+    Part cur = have && kDiag != 2 ? load_token_part<F, kTokenParts>(p, locate(), tp) : Part{};
     bool have_next = have && step();
     TokenRef ref_next = have_next ? locate() : TokenRef{};
     while (have) {
@@ -123,10 +129,12 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_small_kernel(const 
       const bool have_after = have_next && step();
       const TokenRef ref_after = have_after ? locate() : TokenRef{};
       Part next;  // unused past the last step
-      if (have_next) next = load_token_part<F, kTokenParts>(p, ref_next, tp);
+      if (have_next && kDiag != 2) next = load_token_part<F, kTokenParts>(p, ref_next, tp);
       mbar_wait(&sm.empty[buf], ((block_count / 2) & 1) ^ 1);
-      store_token_part<F, kTokenParts>(cur, sm.k[buf], t, tp);
-      if (tp == 0) sm.valid[buf][t] = cur.ok;
+      if constexpr (kDiag != 2) {
+        store_token_part<F, kTokenParts>(cur, sm.k[buf], t, tp);
+        if (tp == 0) sm.valid[buf][t] = cur.ok;
+      }
       fence_proxy_async();
       mbar_arrive(&sm.full[buf]);
       ++block_count;
@@ -163,6 +171,10 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_small_kernel(const 
       for (int blk = block_begin; blk < block_end; ++blk, ++block_count) {
         const int buf = block_count & 1;
         mbar_wait(&sm.full[buf], (block_count / 2) & 1);
+        if constexpr (kDiag == 1) {  // timing aid: the buffer goes straight back
+          mbar_arrive(&sm.empty[buf]);
+          continue;
+        }
 
         float sc[N / 2];
         small_qk<__nv_bfloat16, N, kTiles>([&](int t) { return sm.k[buf][t]; }, sm.q, sc);
