@@ -357,7 +357,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_kernel(const __grid
       }
       if (r == kMyRounds - 1) {
         // Each lane's stores reach the async proxy (wgmma), then one arrival per warp; warp 0's
-        // also expects the bytes the peer stores into this CTA's buffer.
+        // also expects the peer's bytes in this CTA's buffer (its bulk copies and flag words).
         fence_proxy_async();
         __syncwarp();
         if (lane == 0) {
