@@ -139,15 +139,9 @@ __device__ __forceinline__ uint32_t peer_addr(const void* p, int rank) {
 __device__ __forceinline__ void mbar_arrive_remote(uint32_t bar) {
   asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
-// Stores into another CTA's shared memory (`dst`, `bar` from peer_addr) that complete their bytes
-// on that CTA's mbarrier `bar`: whoever waits for the barrier's phase sees them, with no fence or
-// cluster-scope acquire (the mbarrier's owner expects the bytes with mbar_expect_tx).
-__device__ __forceinline__ void st_async_16(uint32_t dst, const uint4& v, uint32_t bar) {
-  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, %4}, [%5];\n" ::"r"(
-                   dst),
-               "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w), "r"(bar)
-               : "memory");
-}
+// A 4-byte store into another CTA's shared memory (`dst`, `bar` from peer_addr) that completes its
+// bytes on that CTA's mbarrier `bar`: whoever waits for the barrier's phase sees it, with no fence
+// or cluster-scope acquire (the mbarrier's owner expects the bytes with mbar_expect_tx).
 __device__ __forceinline__ void st_async_4(uint32_t dst, uint32_t v, uint32_t bar) {
   asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];\n" ::"r"(dst), "r"(v),
                "r"(bar)

@@ -147,17 +147,18 @@ __device__ __forceinline__ TokenPart<F, kParts> load_token_part(const SparseDeco
 }
 
 // Dequantises r into row t of a key buffer (bf16, 128-byte swizzle); an invalid token's part of
-// the row is zero (its part is all zero bits, and e4m3 zero times a zero scale is +0).
-// put(tile, byte offset in the tile, 16 bytes) stores: into one buffer, or into the same place of
-// the buffers of several CTAs.
+// the row is zero (its part is all zero bits, and e4m3 zero times a zero scale is +0). `tiles`:
+// the buffer's 64 x 64 tiles.
 //
 // The offsets are a few per-thread constants, not computed per store: with g = c kParts + part
 // (kParts divides 4, so c kParts and part have no bit in common), NoPE chunk c covers the 8-dim
 // groups 2 (g % 4) and 2 (g % 4) + 1 of tile g / 4 = c kParts / 4, i.e. group K ^ 2 part with K a
 // compile-time constant; RoPE chunk c is group c kParts ^ part of the last tile. The swizzle XORs
 // the group with t % 8, so each offset is t * 128 + ((K ^ x) << 4) with x fixed per thread.
-template <KvFormat F, int kParts, typename Put>
-__device__ __forceinline__ void store_token_part(const TokenPart<F, kParts>& r, int t, int part, const Put& put) {
+template <KvFormat F, int kParts>
+__device__ __forceinline__ void store_token_part(const TokenPart<F, kParts>& r, uint8_t (*tiles)[kSparseTileBytes],
+                                                 int t, int part) {
+  auto put = [&](int tile, int off, const uint4& v) { *reinterpret_cast<uint4*>(tiles[tile] + off) = v; };
   using Fm = SparseFormat<F>;
   using TP = TokenPart<F, kParts>;
   static_assert(4 % kParts == 0 && Fm::kNope % 64 == 0, "a part's chunk groups are a constant XOR its part");
@@ -178,14 +179,6 @@ __device__ __forceinline__ void store_token_part(const TokenPart<F, kParts>& r, 
   }
 #pragma unroll
   for (int c = 0; c < TP::kRopeChunks; ++c) put(Fm::kNope / 64, row + (((c * kParts) ^ x_rope) << 4), r.rope[c]);
-}
-// The same into one key buffer of this CTA.
-template <KvFormat F, int kParts>
-__device__ __forceinline__ void store_token_part(const TokenPart<F, kParts>& r, uint8_t (*tiles)[kSparseTileBytes],
-                                                 int t, int part) {
-  store_token_part<F, kParts>(r, t, part, [&](int tile, int off, const uint4& v) {
-    *reinterpret_cast<uint4*>(tiles[tile] + off) = v;
-  });
 }
 
 }  // namespace mla::cuda::sm90
