@@ -21,8 +21,9 @@
 // Tile sizes: 64-token blocks, N = 16 or 32 heads, two bf16 key buffers (144 KB at d_qk 576) + Q.
 // Reached on an H200 (bench/RESULTS.md, FlashMLA padded to 64 heads in the same run): V3.2 b=128
 // h_q=16 topk 2048 124.8 us (FlashMLA 153.6 us, 1.23x); b=64 h_q=32 95.5 us (108.9, 1.14x); MODEL1
-// b=128 h_q=16 mixed with sink 83.5 us (106.3, 1.27x). The limit is the producer. What moved it
-// (183.5 -> 155.8 us at h_q=16): the token's lengths read once per request and its cache named by
+// b=128 h_q=16 mixed with sink 83.5 us (106.3, 1.27x). Which side limits it now is not measured
+// (MLA_SPARSE_DIAG times each alone); with one producer warpgroup it was the producer. What moved
+// it (183.5 -> 155.8 us at h_q=16): the token's lengths read once per request and its cache named by
 // a flag (the producer had stalled at every block on loads it had just issued), the index read a
 // block ahead of the record, per-thread constant store offsets, branch-free dequantisation; then a
 // second producer warpgroup (155.8 -> 124.8: ncu had the single one latency-bound with one warp per
