@@ -6,7 +6,10 @@ FLOPs = 2 * h_q * s_q * sum(attended keys) * (d_qk + d_v); bytes = q + attended 
 2*576 B dense, 656 B V3.2, 584 B MODEL1) + out. Fractions are of the card's measured ceilings.
 
 Usage: python3 bench/bench_decode.py [--cases NAME,...] [--no-torch] [--impls default,portable]
-                                     [--flashmla DIR]
+                                     [--flashmla DIR] [--reuse-plan]
+
+--reuse-plan times what every layer of a step after the first runs: the call with a plan made once
+before the timing (FlashMLA's scheduler object, or ours, initialised by the warm-up call).
 """
 
 import argparse
@@ -48,6 +51,18 @@ def time_call(fn, calls=10, replays=20):
         end.synchronize()
         times.append(start.elapsed_time(end) / calls * 1e3)  # microseconds per call
     return statistics.median(times)
+
+
+REUSE_PLAN = False  # --reuse-plan
+
+
+def scheduled(api):
+    """A call's scheduler metadata: a fresh one per call (the whole API call, planner included), or
+    with --reuse-plan one object made here, planned by the first call and reused by every later one."""
+    if REUSE_PLAN:
+        sched, _ = api.get_mla_metadata()
+        return lambda: sched
+    return lambda: api.get_mla_metadata()[0]
 
 
 def varlen(b, mean, s_q):
@@ -96,8 +111,10 @@ def dense_case(b, s_q, h_q, s_k, causal, fixed=False, api=flash_mla):
     kc, bt, sl = paged.k_cache.cuda(), paged.block_table.cuda(), paged.cache_seqlens.cuda()
     bt = bt.clamp(0, kc.shape[0] - 1)
 
+    plan = scheduled(api)
+
     def ours():
-        sched, _ = api.get_mla_metadata()
+        sched = plan()
         return api.flash_mla_with_kvcache(q, kc, bt, sl, 512, sched, causal=causal)
 
     attended = sum(lens) * s_q  # each row of each query token (causal trims a few)
@@ -145,8 +162,10 @@ def sparse_case(fmt, b, s_q, h_q, topk, s_k=4096, api=flash_mla):
     kv8, idx = main.kv8.cuda(), main.indices.cuda()
     q_run = pad_heads(q, sparse_heads(api, h_q))
 
+    plan = scheduled(api)
+
     def ours():
-        sched, _ = api.get_mla_metadata()
+        sched = plan()
         return api.flash_mla_with_kvcache(q_run, kv8, None, None, 512, sched, is_fp8_kvcache=True, indices=idx)
 
     attended = b * s_q * topk
@@ -170,8 +189,10 @@ def model1_mixed_case(b=128, h_q=128, api=flash_mla):
     heads = sparse_heads(api, h_q)
     q_run, sink_run = pad_heads(q, heads), pad_heads(sink, heads)
 
+    plan = scheduled(api)
+
     def ours():
-        sched, _ = api.get_mla_metadata()
+        sched = plan()
         return api.flash_mla_with_kvcache(q_run, args[0], None, None, 512, sched, is_fp8_kvcache=True,
                                           indices=args[1], topk_length=args[2], attn_sink=sink_run,
                                           extra_k_cache=args[3], extra_indices_in_kvcache=args[4],
@@ -230,11 +251,15 @@ def main():
     parser.add_argument("--flashmla", metavar="DIR",
                         help="also time FlashMLA (the `flash_mla` package in DIR) on the same inputs; "
                              "sparse calls with h_q not a multiple of 64 are padded to it, as FlashMLA needs")
+    parser.add_argument("--reuse-plan", action="store_true",
+                        help="plan once before timing (what layers after a step's first run)")
     args = parser.parse_args()
+    global REUSE_PLAN
+    REUSE_PLAN = args.reuse_plan
     impls = args.impls.split(",")
     fm = load_flashmla(args.flashmla) if args.flashmla else None
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}; whole API call, CUDA graph of 10 calls, "
-          f"median of 20 replays; ceilings {COPY_GBPS:.0f} GB/s copy, {MATMUL_TFLOPS:.0f} TFLOPS bf16")
+          f"median of 20 replays{'; plan reused' if REUSE_PLAN else ''}; ceilings {COPY_GBPS:.0f} GB/s copy, {MATMUL_TFLOPS:.0f} TFLOPS bf16")
     header = f"{'case':<44} {'us':>9} {'TFLOPS':>8} {'GB/s':>8} {'%mm':>6} {'%copy':>6} {'torch us':>10} {'speedup':>8}"
     if fm:
         header += f" {'FlashMLA us':>12} {'vs FlashMLA':>12}"

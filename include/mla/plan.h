@@ -7,8 +7,15 @@
 // A piece that is a whole request writes `out`/`lse` directly; the pieces of a split request write
 // partials into the split workspace row `num_splits[i] + n`, and the combine kernel merges them.
 //
-// The greedy fill is FlashMLA's (reference/flashmla-semantics.md §5.2): every piece costs its
-// blocks plus kPlanFixedOverheadBlocks, each part gets ceil(total / num_sm_parts) + overhead.
+// The fill: the requests are laid end to end on a line of cost units, each first its piece's fixed
+// cost (kPlanFixedOverheadBlocks units) and then one unit per block; part j runs the blocks whose
+// units fall in [j W, (j + 1) W), W = ceil(total / num_sm_parts). A part's cost (its blocks plus the
+// fixed cost of each of its pieces) is at most W + overhead, as in FlashMLA's greedy fill
+// (reference/flashmla-semantics.md §5.2, payload W + overhead): only a piece that continues a
+// request from the part before is not paid for on the line. Unlike the greedy fill, where each part
+// starts where the previous one stopped, every request's rows and piece count follow from its own
+// position on the line, so the device planner runs one thread per request: a scan for the
+// positions, one for num_splits.
 // Everything here is host-and-device code so the CPU backend, the device planner and the kernels
 // read a plan the same way.
 #pragma once
@@ -35,7 +42,7 @@ struct PlanRow {
   int32_t begin_split;  // which piece of begin_req this part's first piece is
   int32_t first_split;  // begin_req is shared with other parts
   int32_t last_split;   // end_req is shared with other parts
-  int32_t pad;
+  int32_t batch;        // the batch size the plan was made for (a plan of another batch is rejected)
 };
 static_assert(sizeof(PlanRow) == 8 * sizeof(int32_t), "a plan row is 8 int32");
 constexpr int kPlanRowInts = 8;
@@ -117,61 +124,46 @@ MLA_HD PlanPiece plan_piece(const PlanRow& row, const int32_t* num_splits, int k
   return pc;
 }
 
-// The greedy fill, given total = sum over requests of plan blocks + kPlanFixedOverheadBlocks.
-// `blocks(i)` is request_blocks(p, i) (0 for an empty dense request); the device planner passes a
-// copy staged in shared memory. Writes every PlanRow and num_splits[1..b]; returns how many
-// requests it consumed (b, always).
-template <typename Blocks>
-MLA_HD int plan_fill(const DecodePlanParams& p, long long total, const Blocks& blocks) {
-  const int F = kPlanFixedOverheadBlocks;
-  const int payload = int((total + p.num_sm_parts - 1) / p.num_sm_parts) + F;
-  auto charged = [&](int i) {  // an empty request still costs one block
-    const int n = blocks(i);
-    return n > 0 ? n : 1;
-  };
+// Units of the line per part: W = ceil(total / num_sm_parts), total = the sum over requests of
+// plan_blocks + kPlanFixedOverheadBlocks.
+MLA_HD long long plan_width(long long total, int num_sm_parts) { return (total + num_sm_parts - 1) / num_sm_parts; }
+
+// A part with no piece (its units hold no block): begin_req = b. Every row starts as this one.
+MLA_HD void plan_idle_row(const DecodePlanParams& p, int part) {
+  PlanRow r;
+  r.begin_req = p.b, r.end_req = p.b - 1;
+  r.begin_block = r.end_block = r.begin_split = r.first_split = r.last_split = 0;
+  r.batch = p.b;
+  reinterpret_cast<PlanRow*>(p.tile_scheduler_metadata)[part] = r;
+}
+
+// Request i, starting at unit `start` of the line, with `blocks` = request_blocks(p, i): writes the
+// fields of the rows it begins or ends (every other field of those rows is written by the request
+// that begins or ends them, or is the idle row's) and returns its piece count. Rows start idle.
+MLA_HD int plan_request(const DecodePlanParams& p, int i, long long start, int blocks, long long w) {
+  const int charged = blocks > 0 ? blocks : 1;  // an empty request still costs one block
+  const long long first = start + kPlanFixedOverheadBlocks, end = first + charged;  // its block units
+  const int f = int(first / w), l = int((end - 1) / w);                              // its first and last part
+  const bool opens = i == 0 || (start - 1) / w < f;                // the request before has no block in part f
+  const bool closes = i == p.b - 1 || (end + kPlanFixedOverheadBlocks) / w > l;  // nor the one after in part l
   PlanRow* rows = reinterpret_cast<PlanRow*>(p.tile_scheduler_metadata);
-  int req = 0, blk = 0, nsplit = 0, cum = 0;
-  p.num_splits[0] = 0;
-  for (int part = 0; part < p.num_sm_parts; ++part) {
-    PlanRow r;
-    r.begin_req = req;
-    r.begin_block = blk;
-    r.begin_split = nsplit;
-    const bool first_split = blk != 0;
-    int remain = payload;
-    while (req < p.b) {
-      const int left = charged(req) - blk;
-      if (remain >= left + F) {
-        cum += nsplit + 1;
-        p.num_splits[req + 1] = cum;
-        remain -= left + F;
-        ++req;
-        blk = 0;
-        nsplit = 0;
-      } else {
-        if (remain - F > 0) {
-          blk += remain - F;
-          ++nsplit;
-        }
-        break;
-      }
+  for (int j = f; j <= l; ++j) {
+    PlanRow& r = rows[j];
+    const bool begins = j > f || opens, ends = j < l || closes;
+    if (begins) {
+      r.begin_req = i;
+      r.begin_block = j > f ? int(j * w - first) : 0;
+      r.begin_split = j - f;
+      r.first_split = j > f;
     }
-    if (blk > 0) {
-      r.end_req = req;
-      r.end_block = blk;
-    } else {
-      r.end_req = req - 1;
-      r.end_block = req > 0 && blocks(req - 1) > 0 ? charged(req - 1) : 0;
+    if (ends) {
+      r.end_req = i;
+      r.end_block = j < l ? int((j + 1) * w - first) : blocks;
+      r.last_split = j < l;
     }
-    const bool last_split =
-        r.end_req >= 0 && r.end_req < p.b && r.end_block != charged(r.end_req) && blocks(r.end_req) > 0;
-    r.first_split = first_split;
-    r.last_split = last_split;
-    if (r.begin_req == r.end_req) r.first_split = r.last_split = first_split || last_split;
-    r.pad = 0;
-    rows[part] = r;
+    if (begins && ends) r.first_split = r.last_split = l > f;  // the part's only piece: split or not
   }
-  return req;
+  return l - f + 1;
 }
 
 // Number of parts for a call, from the number of SMs (or CPU "virtual SMs") available. Dense decode

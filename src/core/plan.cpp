@@ -24,9 +24,15 @@ void plan_decode_host(const DecodePlanParams& p) {
   check_lengths(p);
   long long total = 0;
   for (int i = 0; i < p.b; ++i) total += plan_blocks(p, i) + kPlanFixedOverheadBlocks;
-  const int consumed = plan_fill(p, total, [&](int i) { return request_blocks(p, i); });
-  // The payload guarantees every request is consumed; anything else is a planner bug.
-  MLA_CHECK(consumed == p.b, "internal error: the plan left requests ", consumed, "..", p.b - 1, " unassigned");
+  const long long w = plan_width(total, p.num_sm_parts);
+  for (int part = 0; part < p.num_sm_parts; ++part) plan_idle_row(p, part);
+  long long start = 0;
+  p.num_splits[0] = 0;
+  for (int i = 0; i < p.b; ++i) {
+    const int blocks = request_blocks(p, i);
+    p.num_splits[i + 1] = p.num_splits[i] + plan_request(p, i, start, blocks, w);
+    start += plan_blocks(p, i) + kPlanFixedOverheadBlocks;
+  }
 }
 
 void check_plan_matches(const DecodePlanParams& p) {
@@ -48,6 +54,8 @@ void check_plan_matches(const DecodePlanParams& p) {
   const char* hint = "; was the plan made for another batch?";
   for (int part = 0; part < p.num_sm_parts; ++part) {
     const PlanRow& r = rows[part];
+    MLA_CHECK(r.batch == p.b, "tile_scheduler_metadata row ", part, " was planned for a batch of ", r.batch,
+              " requests, not ", p.b, hint);
     if (r.begin_req >= p.b || r.end_req < r.begin_req) continue;
     MLA_CHECK(r.begin_req >= 0 && r.end_req < p.b, "tile_scheduler_metadata row ", part, " names requests ",
               r.begin_req, "..", r.end_req, " outside [0, ", p.b, ")", hint);

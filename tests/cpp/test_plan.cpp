@@ -1,6 +1,7 @@
-// The split planner: FlashMLA's worked example, and the invariants every plan must hold.
+// The split planner: a worked example, and the invariants every plan must hold.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <random>
 #include <vector>
 
@@ -26,7 +27,9 @@ HostPlan make_plan(DecodePlanParams p) {
 }
 
 TEST(Plan, WorkedExample) {
-  // reference/flashmla-semantics.md §5.2: P = 8, dense lengths [1000, 64, 0, 4096].
+  // Dense lengths [1000, 64, 0, 4096] over 8 parts: 16, 1, 1 (empty, charged one) and 64 blocks, each
+  // after 5 units of fixed cost, lie on the line at [5, 21), [26, 27), [32, 33), [38, 102); W =
+  // ceil(102 / 8) = 13, so part j runs the blocks in units [13 j, 13 j + 13).
   const std::vector<int32_t> lens = {1000, 64, 0, 4096};
   DecodePlanParams p;
   p.b = 4;
@@ -35,12 +38,28 @@ TEST(Plan, WorkedExample) {
   const HostPlan h = make_plan(p);
   const int expected[8][7] = {
       // begin_req, end_req, begin_block, end_block, begin_split, first_split, last_split
-      {0, 0, 0, 13, 0, 1, 1}, {0, 1, 13, 1, 1, 1, 0}, {2, 3, 0, 7, 0, 0, 1},   {3, 3, 7, 20, 1, 1, 1},
-      {3, 3, 20, 33, 2, 1, 1}, {3, 3, 33, 46, 3, 1, 1}, {3, 3, 46, 59, 4, 1, 1}, {3, 3, 59, 64, 5, 1, 1},
+      {0, 0, 0, 8, 0, 1, 1},   {0, 0, 8, 16, 1, 1, 1},  {1, 3, 0, 1, 0, 0, 1},   {3, 3, 1, 14, 1, 1, 1},
+      {3, 3, 14, 27, 2, 1, 1}, {3, 3, 27, 40, 3, 1, 1}, {3, 3, 40, 53, 4, 1, 1}, {3, 3, 53, 64, 5, 1, 1},
   };
-  for (int part = 0; part < 8; ++part)
+  for (int part = 0; part < 8; ++part) {
     for (int f = 0; f < 7; ++f) EXPECT_EQ(h.rows[part * 8 + f], expected[part][f]) << "part " << part << " field " << f;
+    EXPECT_EQ(h.rows[part * 8 + 7], 4) << "part " << part << ": the batch the plan was made for";
+  }
   EXPECT_EQ(h.num_splits, (std::vector<int32_t>{0, 2, 3, 4, 10}));
+}
+
+TEST(Plan, IdlePartsWhenThereIsLittleWork) {
+  // One 1-block request over 6 parts: W = ceil(6 / 6) = 1, its block is unit 5, so part 5 runs it
+  // whole and parts 0-4 are idle (begin_req = b).
+  const std::vector<int32_t> lens = {10};
+  DecodePlanParams p;
+  p.b = 1;
+  p.num_sm_parts = 6;
+  p.seqlens_k = lens.data();
+  const HostPlan h = make_plan(p);
+  for (int part = 0; part < 5; ++part) EXPECT_EQ(h.rows[part * 8], 1) << "part " << part;
+  EXPECT_EQ(std::vector<int32_t>(h.rows.begin() + 40, h.rows.begin() + 47), (std::vector<int32_t>{0, 0, 0, 1, 0, 0, 0}));
+  EXPECT_EQ(h.num_splits, (std::vector<int32_t>{0, 1}));
 }
 
 // Walks a plan the way the kernels do and checks every block of every request is run exactly once,
@@ -81,6 +100,26 @@ void expect_covers_exactly(const HostPlan& h) {
   EXPECT_NO_THROW(check_plan_matches(p));
 }
 
+// A fresh plan is also balanced: no part costs more than W + overhead (its blocks, an empty
+// request's one, plus the fixed cost of each piece), the bound of FlashMLA's greedy fill.
+void expect_balanced(const HostPlan& h) {
+  const DecodePlanParams& p = h.params;
+  const auto* rows = reinterpret_cast<const PlanRow*>(h.rows.data());
+  long long total = 0;
+  for (int b = 0; b < p.b; ++b) total += plan_blocks(p, b) + kPlanFixedOverheadBlocks;
+  const long long bound = (total + p.num_sm_parts - 1) / p.num_sm_parts + kPlanFixedOverheadBlocks;
+  for (int part = 0; part < p.num_sm_parts; ++part) {
+    const PlanRow& r = rows[part];
+    if (r.begin_req >= p.b) continue;
+    long long cost = 0;
+    for (int k = 0; k <= r.end_req - r.begin_req; ++k) {
+      const PlanPiece pc = plan_piece(r, h.num_splits.data(), k, request_blocks(p, r.begin_req + k));
+      cost += std::max(pc.block_end - pc.block_begin, request_blocks(p, pc.req) == 0 ? 1 : 0) + kPlanFixedOverheadBlocks;
+    }
+    EXPECT_LE(cost, bound) << "part " << part;
+  }
+}
+
 TEST(Plan, DenseInvariantsOnRandomBatches) {
   std::mt19937 rng(1);
   for (int trial = 0; trial < 300; ++trial) {
@@ -91,7 +130,9 @@ TEST(Plan, DenseInvariantsOnRandomBatches) {
     p.b = b;
     p.num_sm_parts = 1 + int(rng() % 140);
     p.seqlens_k = lens.data();
-    expect_covers_exactly(make_plan(p));
+    const HostPlan h = make_plan(p);
+    expect_covers_exactly(h);
+    expect_balanced(h);
   }
 }
 
@@ -113,6 +154,7 @@ TEST(Plan, SparseInvariantsWithLengthsAndExtraCache) {
     }
     const HostPlan h = make_plan(p);
     expect_covers_exactly(h);
+    expect_balanced(h);
     for (int i = 0; i < b; ++i) {
       EXPECT_EQ(sparse_main_blocks(p, i), std::max(1, (sparse_main_len(p, i) + 63) / 64));
       EXPECT_EQ(request_blocks(p, i), sparse_main_blocks(p, i) + (sparse_extra_len(p, i) + 63) / 64);
@@ -174,7 +216,7 @@ TEST(Plan, PiecesOfAnyRowStayInsideTheRequest) {
     auto any = [&] { return int(rng() % 200) - 100; };
     r.begin_req = int(rng() % 3), r.end_req = r.begin_req + int(rng() % (3 - r.begin_req));
     r.begin_block = any(), r.end_block = any(), r.begin_split = any();
-    r.first_split = int(rng() % 2), r.last_split = int(rng() % 2), r.pad = 0;
+    r.first_split = int(rng() % 2), r.last_split = int(rng() % 2), r.batch = 3;
     const int total = int(rng() % 40);
     for (int k = 0; k <= r.end_req - r.begin_req; ++k) {
       const PlanPiece pc = plan_piece(r, num_splits.data(), k, total);
