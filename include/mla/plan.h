@@ -7,11 +7,20 @@
 // A piece that is a whole request writes `out`/`lse` directly; the pieces of a split request write
 // partials into the split workspace row `num_splits[i] + n`, and the combine kernel merges them.
 //
-// The fill is FlashMLA's greedy one (reference/flashmla-semantics.md §5.2): every piece costs its
-// blocks plus kPlanFixedOverheadBlocks, each part gets ceil(total / num_sm_parts) + overhead, and a
-// part that cannot take the next request whole takes what fits of it only if that is more than the
-// overhead. On uniform batches this keeps requests whole (a split costs a second piece and the
-// combine), which a fill that cuts at exact multiples of the average does not.
+// The fill: the requests are laid end to end on a line of cost units, each first its piece's fixed
+// cost (kPlanFixedOverheadBlocks units) and then one unit per block; part j runs the blocks whose
+// units fall in [j W, (j + 1) W), W = ceil(total / num_sm_parts). A part's cost (its blocks plus the
+// fixed cost of each of its pieces) is at most W + overhead, as in FlashMLA's greedy fill
+// (reference/flashmla-semantics.md §5.2, payload W + overhead): only a piece that continues a
+// request from the part before is not paid for on the line. Unlike the greedy fill, where each part
+// starts where the previous one stopped, every request's rows and piece count follow from its own
+// position on the line, so the device planner runs one thread per request: a scan for the
+// positions, one for num_splits.
+// The width: cuts at multiples of W fall inside requests even when the requests could stay whole
+// (32 requests of 32 blocks over 33 parts: W = 36 against 37 units per request splits 31 of them;
+// the greedy fill, with room W + overhead per part, splits none). So the planner takes the
+// smallest W' in [W, W + overhead] that splits no request, if there is one: every part then costs
+// at most W' (no part starts with a continuation), within the same bound. Otherwise W.
 // Everything here is host-and-device code so the CPU backend, the device planner and the kernels
 // read a plan the same way.
 #pragma once
@@ -120,77 +129,65 @@ MLA_HD PlanPiece plan_piece(const PlanRow& row, const int32_t* num_splits, int k
   return pc;
 }
 
-// The greedy fill, one request at a time: add(i, request_blocks(p, i)) for i = 0 .. b - 1, then
-// finish(). Each add is O(1) plus one step per part the request fills; the state is a few integers,
-// so the device planner runs it from registers. Writes every PlanRow and num_splits[0..b].
-struct PlanFill {
-  PlanRow* rows;
-  int32_t* num_splits;
-  int b, parts;
-  long long payload, remain = 0;  // every part's budget, and what the open part has left
-  int part = 0, pieces = 0;       // rows written, pieces of the requests added so far
-  int prev_end_block = 0;         // end_block of the open part if it closes after the last request added
-  PlanRow row{};                  // the open part
+// Units of the line per part: W = ceil(total / num_sm_parts), total = the sum over requests of
+// plan_blocks + kPlanFixedOverheadBlocks.
+MLA_HD long long plan_width(long long total, int num_sm_parts) { return (total + num_sm_parts - 1) / num_sm_parts; }
 
-  MLA_HD PlanFill(const DecodePlanParams& p, long long total)
-      : rows(reinterpret_cast<PlanRow*>(p.tile_scheduler_metadata)),
-        num_splits(p.num_splits),
-        b(p.b),
-        parts(p.num_sm_parts),
-        payload((total + p.num_sm_parts - 1) / p.num_sm_parts + kPlanFixedOverheadBlocks) {
-    num_splits[0] = 0;
-    open(0, 0, 0);
-  }
-  MLA_HD void open(int req, int blk, int split) {
-    row.begin_req = req;
-    row.begin_block = blk;
-    row.begin_split = split;
-    row.first_split = blk != 0;
-    remain = payload;
-  }
-  MLA_HD void close(int end_req, int end_block, bool last_split) {
-    row.end_req = end_req;
-    row.end_block = end_block;
-    row.last_split = last_split;
-    if (row.begin_req == end_req) row.first_split = row.last_split = row.first_split || last_split;
-    row.batch = b;
-    if (part < parts) rows[part] = row;  // the payload always fits the work into `parts` rows
-    ++part;
-  }
-  MLA_HD void add(int i, int blocks) {
-    const int F = kPlanFixedOverheadBlocks;
-    const int charged = blocks > 0 ? blocks : 1;  // an empty request still costs one block
-    int blk = 0, split = 0;
-    if (remain < charged + F) {
-      // Not whole into the open part: what fits beyond the overhead, if anything, then whole parts
-      // of it (a fresh part always takes some: payload > F) until the rest fits.
-      if (remain > F) {
-        blk = int(remain - F), split = 1;
-        close(i, blk, true);
-      } else {
-        close(i - 1, prev_end_block, false);  // the open part holds at least request i - 1
-      }
-      open(i, blk, split);
-      while (remain < charged - blk + F) {
-        blk += int(remain - F), ++split;
-        close(i, blk, true);
-        open(i, blk, split);
-      }
+// The widths the planner tries: W + c for c in [0, kPlanWidthChoices).
+constexpr int kPlanWidthChoices = kPlanFixedOverheadBlocks + 1;
+
+// Bit c set: request (at unit `start`, `blocks` = request_blocks) is cut in two by width W + c.
+MLA_HD unsigned plan_cuts(long long start, int blocks, long long w) {
+  const long long first = start + kPlanFixedOverheadBlocks, last = first + (blocks > 0 ? blocks : 1) - 1;
+  unsigned cut = 0;
+  for (int c = 0; c < kPlanWidthChoices; ++c) cut |= unsigned(first / (w + c) != last / (w + c)) << c;
+  return cut;
+}
+
+// The width used, from the OR of every request's plan_cuts: the smallest that cuts none, else W.
+MLA_HD long long plan_choose_width(long long w, unsigned cuts) {
+  for (int c = 0; c < kPlanWidthChoices; ++c)
+    if (!(cuts >> c & 1u)) return w + c;
+  return w;
+}
+
+// A part with no piece (its units hold no block): begin_req = b. Every row starts as this one.
+MLA_HD void plan_idle_row(const DecodePlanParams& p, int part) {
+  PlanRow r;
+  r.begin_req = p.b, r.end_req = p.b - 1;
+  r.begin_block = r.end_block = r.begin_split = r.first_split = r.last_split = 0;
+  r.batch = p.b;
+  reinterpret_cast<PlanRow*>(p.tile_scheduler_metadata)[part] = r;
+}
+
+// Request i, starting at unit `start` of the line, with `blocks` = request_blocks(p, i): writes the
+// fields of the rows it begins or ends (every other field of those rows is written by the request
+// that begins or ends them, or is the idle row's) and returns its piece count. Rows start idle.
+MLA_HD int plan_request(const DecodePlanParams& p, int i, long long start, int blocks, long long w) {
+  const int charged = blocks > 0 ? blocks : 1;  // an empty request still costs one block
+  const long long first = start + kPlanFixedOverheadBlocks, end = first + charged;  // its block units
+  const int f = int(first / w), l = int((end - 1) / w);                              // its first and last part
+  const bool opens = i == 0 || (start - 1) / w < f;                // the request before has no block in part f
+  const bool closes = i == p.b - 1 || (end + kPlanFixedOverheadBlocks) / w > l;  // nor the one after in part l
+  PlanRow* rows = reinterpret_cast<PlanRow*>(p.tile_scheduler_metadata);
+  for (int j = f; j <= l; ++j) {
+    PlanRow& r = rows[j];
+    const bool begins = j > f || opens, ends = j < l || closes;
+    if (begins) {
+      r.begin_req = i;
+      r.begin_block = j > f ? int(j * w - first) : 0;
+      r.begin_split = j - f;
+      r.first_split = j > f;
     }
-    remain -= charged - blk + F;
-    pieces += split + 1;
-    num_splits[i + 1] = pieces;
-    prev_end_block = blocks > 0 ? charged : 0;
-  }
-  // Closes the open part after the last request; the parts left are idle (begin_req = b).
-  MLA_HD void finish() {
-    close(b - 1, prev_end_block, false);
-    while (part < parts) {
-      open(b, 0, 0);
-      close(b - 1, prev_end_block, false);
+    if (ends) {
+      r.end_req = i;
+      r.end_block = j < l ? int((j + 1) * w - first) : blocks;
+      r.last_split = j < l;
     }
+    if (begins && ends) r.first_split = r.last_split = l > f;  // the part's only piece: split or not
   }
-};
+  return l - f + 1;
+}
 
 // Number of parts for a call, from the number of SMs (or CPU "virtual SMs") available. Dense decode
 // folds s_q * h_q / h_k query rows into 64-row tiles; sparse decode runs 64 heads per CTA.

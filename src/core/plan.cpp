@@ -24,11 +24,21 @@ void plan_decode_host(const DecodePlanParams& p) {
   check_lengths(p);
   long long total = 0;
   for (int i = 0; i < p.b; ++i) total += plan_blocks(p, i) + kPlanFixedOverheadBlocks;
-  PlanFill fill(p, total);
-  for (int i = 0; i < p.b; ++i) fill.add(i, request_blocks(p, i));
-  fill.finish();
-  // The payload fits every request into num_sm_parts parts; more rows would be a planner bug.
-  MLA_CHECK(fill.part == p.num_sm_parts, "internal error: the plan needed ", fill.part, " parts of ", p.num_sm_parts);
+  unsigned cuts = 0;
+  long long start = 0;
+  for (int i = 0; i < p.b; ++i) {
+    cuts |= plan_cuts(start, request_blocks(p, i), plan_width(total, p.num_sm_parts));
+    start += plan_blocks(p, i) + kPlanFixedOverheadBlocks;
+  }
+  const long long w = plan_choose_width(plan_width(total, p.num_sm_parts), cuts);
+  for (int part = 0; part < p.num_sm_parts; ++part) plan_idle_row(p, part);
+  start = 0;
+  p.num_splits[0] = 0;
+  for (int i = 0; i < p.b; ++i) {
+    const int blocks = request_blocks(p, i);
+    p.num_splits[i + 1] = p.num_splits[i] + plan_request(p, i, start, blocks, w);
+    start += plan_blocks(p, i) + kPlanFixedOverheadBlocks;
+  }
 }
 
 void check_plan_matches(const DecodePlanParams& p) {

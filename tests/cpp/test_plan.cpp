@@ -1,4 +1,4 @@
-// The split planner: FlashMLA's worked example, and the invariants every plan must hold.
+// The split planner: a worked example, and the invariants every plan must hold.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -26,8 +26,13 @@ HostPlan make_plan(DecodePlanParams p) {
   return h;
 }
 
+void expect_covers_exactly(const HostPlan& h);
+void expect_balanced(const HostPlan& h);
+
 TEST(Plan, WorkedExample) {
-  // reference/flashmla-semantics.md §5.2: P = 8, dense lengths [1000, 64, 0, 4096].
+  // Dense lengths [1000, 64, 0, 4096] over 8 parts: 16, 1, 1 (empty, charged one) and 64 blocks, each
+  // after 5 units of fixed cost, lie on the line at [5, 21), [26, 27), [32, 33), [38, 102); W =
+  // ceil(102 / 8) = 13, so part j runs the blocks in units [13 j, 13 j + 13).
   const std::vector<int32_t> lens = {1000, 64, 0, 4096};
   DecodePlanParams p;
   p.b = 4;
@@ -36,8 +41,8 @@ TEST(Plan, WorkedExample) {
   const HostPlan h = make_plan(p);
   const int expected[8][7] = {
       // begin_req, end_req, begin_block, end_block, begin_split, first_split, last_split
-      {0, 0, 0, 13, 0, 1, 1}, {0, 1, 13, 1, 1, 1, 0}, {2, 3, 0, 7, 0, 0, 1},   {3, 3, 7, 20, 1, 1, 1},
-      {3, 3, 20, 33, 2, 1, 1}, {3, 3, 33, 46, 3, 1, 1}, {3, 3, 46, 59, 4, 1, 1}, {3, 3, 59, 64, 5, 1, 1},
+      {0, 0, 0, 8, 0, 1, 1},   {0, 0, 8, 16, 1, 1, 1},  {1, 3, 0, 1, 0, 0, 1},   {3, 3, 1, 14, 1, 1, 1},
+      {3, 3, 14, 27, 2, 1, 1}, {3, 3, 27, 40, 3, 1, 1}, {3, 3, 40, 53, 4, 1, 1}, {3, 3, 53, 64, 5, 1, 1},
   };
   for (int part = 0; part < 8; ++part) {
     for (int f = 0; f < 7; ++f) EXPECT_EQ(h.rows[part * 8 + f], expected[part][f]) << "part " << part << " field " << f;
@@ -47,9 +52,9 @@ TEST(Plan, WorkedExample) {
 }
 
 TEST(Plan, UniformRequestsStayWhole) {
-  // 32 requests of 32 blocks over 33 parts (sparse s_q = 2, 128 heads): each part takes one request
-  // whole (37 of its 41 units; the 4 left are not more than the overhead), the last part is idle,
-  // and nothing is split or combined.
+  // 32 requests of 32 blocks over 33 parts (sparse s_q = 2, 128 heads): W = ceil(32 * 37 / 33) = 36
+  // would cut 31 requests; W' = 37 cuts none, so each part runs one request whole, the last part is
+  // idle, and nothing is split or combined.
   DecodePlanParams p;
   p.b = 32;
   p.num_sm_parts = 33;
@@ -63,16 +68,35 @@ TEST(Plan, UniformRequestsStayWhole) {
   for (int i = 0; i <= 32; ++i) EXPECT_EQ(h.num_splits[i], i);
 }
 
-TEST(Plan, PartsPastTheWorkAreIdle) {
-  // One 1-block request over 6 parts: the first part runs it, the others are idle (begin_req = b).
+TEST(Plan, UniformDenseRequestsStayWhole) {
+  // 128 requests of 8192 tokens (128 blocks) over 132 parts: W = 129 would cut every request; W' = 133
+  // (within W + overhead) cuts none.
+  const std::vector<int32_t> lens(128, 8192);
+  DecodePlanParams p;
+  p.b = 128;
+  p.num_sm_parts = 132;
+  p.seqlens_k = lens.data();
+  const HostPlan h = make_plan(p);
+  for (int part = 0; part < 128; ++part)
+    EXPECT_EQ(std::vector<int32_t>(h.rows.begin() + part * 8, h.rows.begin() + part * 8 + 7),
+              (std::vector<int32_t>{part, part, 0, 128, 0, 0, 0}))
+        << "part " << part;
+  for (int part = 128; part < 132; ++part) EXPECT_EQ(h.rows[part * 8], 128) << "part " << part << " is idle";
+  expect_covers_exactly(h);
+  expect_balanced(h);
+}
+
+TEST(Plan, IdlePartsWhenThereIsLittleWork) {
+  // One 1-block request over 6 parts: W = ceil(6 / 6) = 1, its block is unit 5, so part 5 runs it
+  // whole and parts 0-4 are idle (begin_req = b).
   const std::vector<int32_t> lens = {10};
   DecodePlanParams p;
   p.b = 1;
   p.num_sm_parts = 6;
   p.seqlens_k = lens.data();
   const HostPlan h = make_plan(p);
-  EXPECT_EQ(std::vector<int32_t>(h.rows.begin(), h.rows.begin() + 7), (std::vector<int32_t>{0, 0, 0, 1, 0, 0, 0}));
-  for (int part = 1; part < 6; ++part) EXPECT_EQ(h.rows[part * 8], 1) << "part " << part;
+  for (int part = 0; part < 5; ++part) EXPECT_EQ(h.rows[part * 8], 1) << "part " << part;
+  EXPECT_EQ(std::vector<int32_t>(h.rows.begin() + 40, h.rows.begin() + 47), (std::vector<int32_t>{0, 0, 0, 1, 0, 0, 0}));
   EXPECT_EQ(h.num_splits, (std::vector<int32_t>{0, 1}));
 }
 

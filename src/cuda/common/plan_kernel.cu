@@ -1,12 +1,14 @@
-// Device planner: one warp. The lanes read every request's length once, in parallel, stage its
-// block count in shared memory and add up the costs; then lane 0 runs the greedy fill shared with
-// the host planner (plan.h: PlanFill), so device and host plans are identical. The fill keeps its
-// state in registers and reads each count one request ahead, so a request costs a few dependent
-// integer steps and a part one row store. Batches too large for the staging buffer (more than
-// 12288 requests) read the counts from global memory instead. The decode kernel that follows is a
-// programmatic dependent: its CTAs may start their prologue now; they wait for this grid to finish
-// before they read the plan.
+// Device planner: one CTA, one thread per request (in rounds of kThreads for larger batches). The
+// costs are summed and every row is set idle; a scan of the costs gives each request its position
+// on the line (plan.h), from which each thread marks the widths that would cut its request; with
+// the width chosen, each thread writes the rows its request begins or ends, and a second scan turns
+// the piece counts into num_splits. The same functions make the host plan, so
+// device and host plans are identical. The decode kernel that follows is a programmatic dependent:
+// its CTAs may start their prologue now and wait for this grid before they read the plan.
 #include <cuda_runtime.h>
+
+#include <cub/block/block_reduce.cuh>
+#include <cub/block/block_scan.cuh>
 
 #include "mla/mla.h"
 
@@ -14,45 +16,78 @@ namespace mla::cuda {
 
 namespace {
 
-constexpr int kWarpSize = 32;
+constexpr int kThreads = 256;
 
-constexpr int kMaxStagedRequests = 48 * 1024 / int(sizeof(int));  // the default dynamic shared-memory limit
-
-__global__ void __launch_bounds__(kWarpSize) plan_decode_kernel(DecodePlanParams p, bool staged) {
+__global__ void __launch_bounds__(kThreads) plan_decode_kernel(DecodePlanParams p) {
 #if __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 #endif
-  extern __shared__ int blocks_of[];
-  long long total = 0;
-  for (int i = threadIdx.x; i < p.b; i += kWarpSize) {
-    const int n = request_blocks(p, i);
-    if (staged) blocks_of[i] = n;
-    total += (n > 0 ? n : 1) + kPlanFixedOverheadBlocks;
+  using Reduce = cub::BlockReduce<long long, kThreads>;
+  using PosScan = cub::BlockScan<long long, kThreads>;
+  using CountScan = cub::BlockScan<int, kThreads>;
+  __shared__ union {
+    typename Reduce::TempStorage reduce;
+    typename PosScan::TempStorage pos;
+    typename CountScan::TempStorage count;
+  } tmp;
+  __shared__ long long total_all;
+  __shared__ unsigned cuts_all;
+  const int tid = threadIdx.x;
+
+  // The first round's block counts and positions stay in registers (most batches have one round).
+  const int blocks_first = tid < p.b ? request_blocks(p, tid) : 0;
+  long long cost = tid < p.b ? (blocks_first > 0 ? blocks_first : 1) + kPlanFixedOverheadBlocks : 0;
+  for (int i = tid + kThreads; i < p.b; i += kThreads) cost += plan_blocks(p, i) + kPlanFixedOverheadBlocks;
+  const long long total = Reduce(tmp.reduce).Sum(cost);
+  if (tid == 0) total_all = total, cuts_all = 0, p.num_splits[0] = 0;
+  for (int part = tid; part < p.num_sm_parts; part += kThreads) plan_idle_row(p, part);
+  __syncthreads();  // total_all, cuts_all, the idle rows (requests overwrite some of their fields), tmp
+
+  // Request i's position on the line: start_base (the rounds before) + start.
+  auto position = [&](int round, int blocks, long long& start, long long& round_units) {
+    const int i = round + tid;
+    const long long units = i < p.b ? (blocks > 0 ? blocks : 1) + kPlanFixedOverheadBlocks : 0;
+    PosScan(tmp.pos).ExclusiveSum(units, start, round_units);
+    __syncthreads();
+  };
+  const long long w0 = plan_width(total_all, p.num_sm_parts);
+  long long start_first = 0, units_first = 0, start_base = 0;
+  unsigned cuts = 0;
+  for (int round = 0; round < p.b; round += kThreads) {
+    const int i = round + tid;
+    const int blocks = round == 0 ? blocks_first : i < p.b ? request_blocks(p, i) : 0;
+    long long start, round_units;
+    position(round, blocks, start, round_units);
+    if (i < p.b) cuts |= plan_cuts(start_base + start, blocks, w0);
+    if (round == 0) start_first = start, units_first = round_units;
+    start_base += round_units;
   }
-  for (int offset = kWarpSize / 2; offset > 0; offset /= 2) total += __shfl_xor_sync(0xffffffffu, total, offset);
-  __syncwarp();
-  if (threadIdx.x != 0) return;
-  PlanFill fill(p, total);
-  if (staged) {
-    int n = blocks_of[0];
-    for (int i = 0; i < p.b; ++i) {
-      const int next = i + 1 < p.b ? blocks_of[i + 1] : 0;  // loaded while request i is placed
-      fill.add(i, n);
-      n = next;
-    }
-  } else {
-    for (int i = 0; i < p.b; ++i) fill.add(i, request_blocks(p, i));
+  if (cuts) atomicOr(&cuts_all, cuts);
+  __syncthreads();
+  const long long w = plan_choose_width(w0, cuts_all);
+
+  start_base = 0;
+  int pieces_base = 0;
+  for (int round = 0; round < p.b; round += kThreads) {
+    const int i = round + tid;
+    const int blocks = round == 0 ? blocks_first : i < p.b ? request_blocks(p, i) : 0;
+    long long start = start_first, round_units = units_first;
+    if (round > 0) position(round, blocks, start, round_units);
+    const int pieces = i < p.b ? plan_request(p, i, start_base + start, blocks, w) : 0;
+    int before, round_pieces;
+    CountScan(tmp.count).ExclusiveSum(pieces, before, round_pieces);
+    __syncthreads();
+    if (i < p.b) p.num_splits[i + 1] = pieces_base + before + pieces;
+    start_base += round_units;
+    pieces_base += round_pieces;
   }
-  fill.finish();
 }
 
 }  // namespace
 
 cudaError_t plan_decode(const DecodePlanParams& params, cudaStream_t stream) {
   if (params.b <= 0 || params.num_sm_parts <= 0) return cudaErrorInvalidValue;
-  const bool staged = params.b <= kMaxStagedRequests;
-  const size_t smem = staged ? size_t(params.b) * sizeof(int) : 0;
-  plan_decode_kernel<<<1, kWarpSize, smem, stream>>>(params, staged);
+  plan_decode_kernel<<<1, kThreads, 0, stream>>>(params);
   return cudaGetLastError();
 }
 
