@@ -33,8 +33,9 @@
 // registers for the own block, from shared memory for the other warpgroup's).
 // Reached on an H200 (bench/RESULTS.md, whole API call, FlashMLA timed in the same run): dense
 // b=128 h_q=128 s_k=4096 varlen 313.9 us = 439 TFLOPS (56% of the matmul ceiling; FlashMLA 259.1
-// us, 0.83x); s_q=2 causal s_k=8192 984.9 us = 555 TFLOPS (FlashMLA 872.8 us, 0.89x); at 5655e81
-// b=2 s_k=65536 110.2 us (FlashMLA 87.6), b=8 s_k=1024 41.0 us (33.4). (h_q=16 goes to the
+// us, 0.83x); s_q=2 causal s_k=8192 984.9 us = 555 TFLOPS (FlashMLA 872.8 us, 0.89x); with the
+// parallel planner 315.6-323.8 us (FlashMLA 258.2-265.6, 0.80-0.83x), s_q=2 987.5 (899.5, 0.91x),
+// b=2 s_k=65536 99.7 us (87.1, 0.87x), b=8 s_k=1024 31.7 us (33.8, 1.07x). (h_q=16 goes to the
 // small-rows kernel.) Steps: the softmax's exp2 in one MUFU (exp2_ftz) 356 -> 326 us; wgmma
 // descriptors at constant offsets from two bases, the per-key mask as one compare against a
 // per-row threshold, the lazy running max and O rescales skipped by a warp vote 326 -> 314 us

@@ -20,10 +20,11 @@
 //   * epilogue: O^T / l to out / lse, or fp32 partials for the combine kernel (programmatic
 //     dependent launch).
 // Tile sizes: 64-key blocks, N = 16 or 32 rows, two key buffers (144 KB at D = 576) + Q (18 / 36 KB).
-// Reached on an H200 (bench/RESULTS.md): dense b=128 h_q=16 s_k=8192 328.6 us = 86.3% of the copy
-// ceiling at da0e8dc (FlashMLA, which pads the rows to 64: 315.7 us in the same run); 333.9-339.2
-// us (FlashMLA 314.7) in a later session's runs with constant-offset descriptors, the whole-block
-// fast path and the lazy max, within that session's spread. Before exp2_ftz 334-361 us; the 64-row
+// Reached on an H200 (bench/RESULTS.md, whole API call): dense b=128 h_q=16 s_k=8192 307.9 us =
+// 92.1% of the copy ceiling (FlashMLA, which pads the rows to 64: 315.1 us in the same run, 1.02x),
+// after the parallel planner (335.7 before; the kernel was unchanged). ncu: this kernel 305.8 us at
+// 3.96 TB/s of DRAM reads against FlashMLA's 285.9 us at 4.23 TB/s; with MLA_DENSE_DIAG (the key
+// stream alone) 294.9 us at 4.10 TB/s, so the two-buffer key stream itself is the first limit. Before exp2_ftz 334-361 us; the 64-row
 // Hopper kernel 364-386 us. Tried and measured slower (~470 us):
 // the key tiles in one ring of 25 slots refilled as they free (up to three blocks in flight); the
 // loss was in the wgmma chain, not in the loads.

@@ -32,9 +32,12 @@
 //     ones (the combine kernel applies the sink), each warpgroup its 256 columns.
 // Tile sizes: 64 heads, 64-token blocks, two bf16 key buffers (144 KB at d_qk 576) + Q (72 KB) +
 // P (8 KB); wgmma m64n64k16 (S) and m64n256k16 (P V).
-// Reached on an H200 (bench/RESULTS.md, FlashMLA in the same run): V3.2 b=128 h_q=128 topk 2048
-// 197.6 us (FlashMLA 196.7 us, 1.00x; the portable kernel 1293.7); b=32 s_q=2 101.2 us (99.1,
-// 0.98x); MODEL1 b=128 h_q=128 mixed with sink 101.7 us (104.7, 1.03x). Steps: the crossover 515 -> 357 us; st.async
+// Reached on an H200 (bench/RESULTS.md, whole API call, FlashMLA in the same run): V3.2 b=128
+// h_q=128 topk 2048 177.8 us (FlashMLA 197.4 us, 1.11x; the portable kernel 1293.7); b=32 s_q=2
+// 93.7 us (98.9, 1.06x); b=128 s_q=2 343.7 (358.2, 1.04x); MODEL1 b=128 h_q=128 mixed with sink
+// 88.5 us (105.9, 1.20x). The last step was the planner's, not this kernel's (197.6 -> 177.8: the
+// planner had cost ~20 us of every call); the kernel itself, with a plan reused, takes ~175 us
+// (FlashMLA's ~174). Steps: the crossover 515 -> 357 us; st.async
 // instead of cluster-scope fences and acquires 357 -> 316; the producer's per-thread store offsets,
 // index a step ahead, lengths once per request and cache as a flag 316 -> 237; the peer's half by
 // bulk copy instead of a st.async per 16 bytes 241 -> 197 (timed alone, the producers went from

@@ -19,10 +19,14 @@
 //   * epilogue: O^T / (l + exp2(sink - m)) to out / lse for whole pieces, fp32 partials for split
 //     ones (the combine kernel applies the sink).
 // Tile sizes: 64-token blocks, N = 16 or 32 heads, two bf16 key buffers (144 KB at d_qk 576) + Q.
-// Reached on an H200 (bench/RESULTS.md, FlashMLA padded to 64 heads in the same run): V3.2 b=128
-// h_q=16 topk 2048 124.8 us (FlashMLA 153.6 us, 1.23x); b=64 h_q=32 95.5 us (108.9, 1.14x); MODEL1
-// b=128 h_q=16 mixed with sink 83.5 us (106.3, 1.27x). Which side limits it now is not measured
-// (MLA_SPARSE_DIAG times each alone); with one producer warpgroup it was the producer. What moved
+// Reached on an H200 (bench/RESULTS.md, whole API call, FlashMLA padded to 64 heads in the same
+// run): V3.2 b=128 h_q=16 topk 2048 93.5 us (FlashMLA 154.3 us, 1.65x); b=64 h_q=32 73.6 us (108.9,
+// 1.48x); MODEL1 b=128 h_q=16 mixed with sink 54.6 us (105.6, 1.93x), after the parallel planner
+// (from 123.6 / 94.4 / 81.1 us). Timed alone with MLA_SPARSE_DIAG (planner included, V3.2 h_q=16):
+// producers 105.5 us, consumer 80.9, together 123.6; both sides are latency-bound (counted, the
+// consumer's tensor and shared-memory work is ~1400 cycles of the ~5000 a block takes; splitting S into two
+// accumulator chains changed nothing, so it is not the wgmma chain), and the producers keep one
+// block of loads in flight (42 KB per SM) in registers. What moved
 // it (183.5 -> 155.8 us at h_q=16): the token's lengths read once per request and its cache named by
 // a flag (the producer had stalled at every block on loads it had just issued), the index read a
 // block ahead of the record, per-thread constant store offsets, branch-free dequantisation; then a
