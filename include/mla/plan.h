@@ -99,11 +99,10 @@ MLA_HD int request_blocks(const DecodePlanParams& p, int i) {
   return sparse_main_blocks(p, i) + ceil_div(sparse_extra_len(p, i), kPlanBlockSize);
 }
 
-// Blocks the planner charges request i (at least one: an empty request still costs a piece).
-MLA_HD int plan_blocks(const DecodePlanParams& p, int i) {
-  const int n = request_blocks(p, i);
-  return n > 0 ? n : 1;
-}
+// Blocks the planner charges a request of `blocks` = request_blocks (at least one: an empty request
+// still costs a piece), and the units of the planner's line it takes (plus its fixed cost).
+MLA_HD int plan_charged(int blocks) { return blocks > 0 ? blocks : 1; }
+MLA_HD int plan_units(int blocks) { return plan_charged(blocks) + kPlanFixedOverheadBlocks; }
 
 // One piece of a part: request `req`, blocks [block_begin, block_end).
 struct PlanPiece {
@@ -132,8 +131,8 @@ MLA_HD PlanPiece plan_piece(const PlanRow& row, const int32_t* num_splits, int k
   return pc;
 }
 
-// Units of the line per part: W = ceil(total / num_sm_parts), total = the sum over requests of
-// plan_blocks + kPlanFixedOverheadBlocks.
+// Units of the line per part: W = ceil(total / num_sm_parts), total = the sum of plan_units over
+// the requests.
 MLA_HD long long plan_width(long long total, int num_sm_parts) { return (total + num_sm_parts - 1) / num_sm_parts; }
 
 // The widths the planner tries: W + c for c in [0, kPlanWidthChoices).
@@ -141,7 +140,7 @@ constexpr int kPlanWidthChoices = kPlanFixedOverheadBlocks + 1;
 
 // Bit c set: request (at unit `start`, `blocks` = request_blocks) is cut in two by width W + c.
 MLA_HD unsigned plan_cuts(long long start, int blocks, long long w) {
-  const long long first = start + kPlanFixedOverheadBlocks, last = first + (blocks > 0 ? blocks : 1) - 1;
+  const long long first = start + kPlanFixedOverheadBlocks, last = start + plan_units(blocks) - 1;
   unsigned cut = 0;
   for (int c = 0; c < kPlanWidthChoices; ++c) cut |= unsigned(first / (w + c) != last / (w + c)) << c;
   return cut;
@@ -167,8 +166,7 @@ MLA_HD void plan_idle_row(const DecodePlanParams& p, int part) {
 // fields of the rows it begins or ends (every other field of those rows is written by the request
 // that begins or ends them, or is the idle row's) and returns its piece count. Rows start idle.
 MLA_HD int plan_request(const DecodePlanParams& p, int i, long long start, int blocks, long long w) {
-  const int charged = blocks > 0 ? blocks : 1;  // an empty request still costs one block
-  const long long first = start + kPlanFixedOverheadBlocks, end = first + charged;  // its block units
+  const long long first = start + kPlanFixedOverheadBlocks, end = start + plan_units(blocks);  // its block units
   const int f = int(first / w), l = int((end - 1) / w);                              // its first and last part
   const bool opens = i == 0 || (start - 1) / w < f;                // the request before has no block in part f
   const bool closes = i == p.b - 1 || (end + kPlanFixedOverheadBlocks) / w > l;  // nor the one after in part l

@@ -22,22 +22,23 @@ void check_lengths(const DecodePlanParams& p) {
 
 void plan_decode_host(const DecodePlanParams& p) {
   check_lengths(p);
+  std::vector<int> blocks(p.b);
   long long total = 0;
-  for (int i = 0; i < p.b; ++i) total += plan_blocks(p, i) + kPlanFixedOverheadBlocks;
+  for (int i = 0; i < p.b; ++i) total += plan_units(blocks[i] = request_blocks(p, i));
+  const long long w0 = plan_width(total, p.num_sm_parts);
   unsigned cuts = 0;
   long long start = 0;
   for (int i = 0; i < p.b; ++i) {
-    cuts |= plan_cuts(start, request_blocks(p, i), plan_width(total, p.num_sm_parts));
-    start += plan_blocks(p, i) + kPlanFixedOverheadBlocks;
+    cuts |= plan_cuts(start, blocks[i], w0);
+    start += plan_units(blocks[i]);
   }
-  const long long w = plan_choose_width(plan_width(total, p.num_sm_parts), cuts);
+  const long long w = plan_choose_width(w0, cuts);
   for (int part = 0; part < p.num_sm_parts; ++part) plan_idle_row(p, part);
   start = 0;
   p.num_splits[0] = 0;
   for (int i = 0; i < p.b; ++i) {
-    const int blocks = request_blocks(p, i);
-    p.num_splits[i + 1] = p.num_splits[i] + plan_request(p, i, start, blocks, w);
-    start += plan_blocks(p, i) + kPlanFixedOverheadBlocks;
+    p.num_splits[i + 1] = p.num_splits[i] + plan_request(p, i, start, blocks[i], w);
+    start += plan_units(blocks[i]);
   }
 }
 

@@ -96,7 +96,8 @@ TEST(Plan, IdlePartsWhenThereIsLittleWork) {
   p.seqlens_k = lens.data();
   const HostPlan h = make_plan(p);
   for (int part = 0; part < 5; ++part) EXPECT_EQ(h.rows[part * 8], 1) << "part " << part;
-  EXPECT_EQ(std::vector<int32_t>(h.rows.begin() + 40, h.rows.begin() + 47), (std::vector<int32_t>{0, 0, 0, 1, 0, 0, 0}));
+  EXPECT_EQ(std::vector<int32_t>(h.rows.begin() + 40, h.rows.begin() + 47),
+            (std::vector<int32_t>{0, 0, 0, 1, 0, 0, 0}));
   EXPECT_EQ(h.num_splits, (std::vector<int32_t>{0, 1}));
 }
 
@@ -144,7 +145,7 @@ void expect_balanced(const HostPlan& h) {
   const DecodePlanParams& p = h.params;
   const auto* rows = reinterpret_cast<const PlanRow*>(h.rows.data());
   long long total = 0;
-  for (int b = 0; b < p.b; ++b) total += plan_blocks(p, b) + kPlanFixedOverheadBlocks;
+  for (int b = 0; b < p.b; ++b) total += plan_units(request_blocks(p, b));
   const long long bound = (total + p.num_sm_parts - 1) / p.num_sm_parts + kPlanFixedOverheadBlocks;
   for (int part = 0; part < p.num_sm_parts; ++part) {
     const PlanRow& r = rows[part];
@@ -152,7 +153,8 @@ void expect_balanced(const HostPlan& h) {
     long long cost = 0;
     for (int k = 0; k <= r.end_req - r.begin_req; ++k) {
       const PlanPiece pc = plan_piece(r, h.num_splits.data(), k, request_blocks(p, r.begin_req + k));
-      cost += std::max(pc.block_end - pc.block_begin, request_blocks(p, pc.req) == 0 ? 1 : 0) + kPlanFixedOverheadBlocks;
+      const int run = pc.block_end - pc.block_begin;  // an empty request is charged one block
+      cost += std::max(run, request_blocks(p, pc.req) == 0 ? 1 : 0) + kPlanFixedOverheadBlocks;
     }
     EXPECT_LE(cost, bound) << "part " << part;
   }

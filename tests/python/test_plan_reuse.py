@@ -52,7 +52,8 @@ def test_plan_of_another_batch_is_rejected_on_cpu():
     q, paged = dense_case([640] * 8, h_q=128)
     tsm, ns = flash_mla.get_mla_metadata(paged.cache_seqlens, 128, 1)
     assert (tsm[:, 7] == 8).all()
-    with pytest.raises(RuntimeError, match="planned for a batch of 8 requests, not 4; was the plan made for another batch"):
+    with pytest.raises(RuntimeError,
+                       match="planned for a batch of 8 requests, not 4; was the plan made for another batch"):
         flash_mla.flash_mla_with_kvcache(q[:4], paged.k_cache, paged.block_table[:4], paged.cache_seqlens[:4], 512,
                                          tsm, ns[:5].contiguous())
 

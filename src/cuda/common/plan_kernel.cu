@@ -2,9 +2,9 @@
 // costs are summed and every row is set idle; a scan of the costs gives each request its position
 // on the line (plan.h), from which each thread marks the widths that would cut its request; with
 // the width chosen, each thread writes the rows its request begins or ends, and a second scan turns
-// the piece counts into num_splits. The same functions make the host plan, so
-// device and host plans are identical. The decode kernel that follows is a programmatic dependent:
-// its CTAs may start their prologue now and wait for this grid before they read the plan.
+// the piece counts into num_splits. The same functions (plan.h) make the host plan, so device and
+// host plans are identical. The decode kernel that follows is a programmatic dependent: its CTAs
+// may start their prologue now and wait for this grid before they read the plan.
 #include <cuda_runtime.h>
 
 #include <cub/block/block_reduce.cuh>
@@ -36,8 +36,8 @@ __global__ void __launch_bounds__(kThreads) plan_decode_kernel(DecodePlanParams 
 
   // The first round's block counts and positions stay in registers (most batches have one round).
   const int blocks_first = tid < p.b ? request_blocks(p, tid) : 0;
-  long long cost = tid < p.b ? (blocks_first > 0 ? blocks_first : 1) + kPlanFixedOverheadBlocks : 0;
-  for (int i = tid + kThreads; i < p.b; i += kThreads) cost += plan_blocks(p, i) + kPlanFixedOverheadBlocks;
+  long long cost = tid < p.b ? plan_units(blocks_first) : 0;
+  for (int i = tid + kThreads; i < p.b; i += kThreads) cost += plan_units(request_blocks(p, i));
   const long long total = Reduce(tmp.reduce).Sum(cost);
   if (tid == 0) total_all = total, cuts_all = 0, p.num_splits[0] = 0;
   for (int part = tid; part < p.num_sm_parts; part += kThreads) plan_idle_row(p, part);
@@ -46,7 +46,7 @@ __global__ void __launch_bounds__(kThreads) plan_decode_kernel(DecodePlanParams 
   // Request i's position on the line: start_base (the rounds before) + start.
   auto position = [&](int round, int blocks, long long& start, long long& round_units) {
     const int i = round + tid;
-    const long long units = i < p.b ? (blocks > 0 ? blocks : 1) + kPlanFixedOverheadBlocks : 0;
+    const long long units = i < p.b ? plan_units(blocks) : 0;
     PosScan(tmp.pos).ExclusiveSum(units, start, round_units);
     __syncthreads();
   };

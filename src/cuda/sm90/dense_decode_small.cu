@@ -24,8 +24,8 @@
 // 92.1% of the copy ceiling (FlashMLA, which pads the rows to 64: 315.1 us in the same run, 1.02x),
 // after the parallel planner (335.7 before; the kernel was unchanged). ncu: this kernel 305.8 us at
 // 3.96 TB/s of DRAM reads against FlashMLA's 285.9 us at 4.23 TB/s; with MLA_DENSE_DIAG (the key
-// stream alone) 294.9 us at 4.10 TB/s, so the two-buffer key stream itself is the first limit. Before exp2_ftz 334-361 us; the 64-row
-// Hopper kernel 364-386 us. Tried and measured slower (~470 us):
+// stream alone) 294.9 us at 4.10 TB/s, so the two-buffer key stream itself is the first limit.
+// Before exp2_ftz 334-361 us; the 64-row Hopper kernel 364-386 us. Tried and measured slower (~470 us):
 // the key tiles in one ring of 25 slots refilled as they free (up to three blocks in flight); the
 // loss was in the wgmma chain, not in the loads.
 #include <cuda.h>

@@ -24,9 +24,9 @@
 // 1.48x); MODEL1 b=128 h_q=16 mixed with sink 54.6 us (105.6, 1.93x), after the parallel planner
 // (from 123.6 / 94.4 / 81.1 us). Timed alone with MLA_SPARSE_DIAG (planner included, V3.2 h_q=16):
 // producers 105.5 us, consumer 80.9, together 123.6; both sides are latency-bound (counted, the
-// consumer's tensor and shared-memory work is ~1400 cycles of the ~5000 a block takes; splitting S into two
-// accumulator chains changed nothing, so it is not the wgmma chain), and the producers keep one
-// block of loads in flight (42 KB per SM) in registers. What moved
+// consumer's tensor and shared-memory work is ~1400 cycles of the ~5000 a block takes; splitting S
+// into two accumulator chains changed nothing, so it is not the wgmma chain), and the producers
+// keep one block of loads in flight (42 KB per SM) in registers. What moved
 // it (183.5 -> 155.8 us at h_q=16): the token's lengths read once per request and its cache named by
 // a flag (the producer had stalled at every block on loads it had just issued), the index read a
 // block ahead of the record, per-thread constant store offsets, branch-free dequantisation; then a
