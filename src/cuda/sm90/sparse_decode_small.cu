@@ -68,9 +68,15 @@ static_assert(kBlockN == kPlanBlockSize, "one token block per plan block");
 constexpr int kTokenParts = kProducerWgs * 128 / kBlockN;
 static_assert(kTokenParts == 4, "four producer threads per token");
 // Registers per thread after setmaxnreg: the CTA starts with 168 (64 K / 384) and the three
-// warpgroups' counts must sum to at most 3 x 168.
-constexpr int kRegsConsumer = 232, kRegsProducer = 136;
-static_assert(kRegsConsumer + kProducerWgs * kRegsProducer <= 3 * ((65536 / kThreads) / 8 * 8), "moved, never added");
+// warpgroups' counts must sum to at most 3 x 168. At N = 16 the consumer needs far fewer (O^T is 64
+// per thread), and the producers hold one more block's records (kSlots register sets).
+template <int N>
+struct Regs {
+  static constexpr int kConsumer = N <= 16 ? 152 : 232, kProducer = N <= 16 ? 176 : 136;
+  static constexpr int kSlots = N <= 16 ? 3 : 2;  // records held: the block being stored, the rest in flight
+  static constexpr int kLaunch = (65536 / kThreads) / 8 * 8;  // 168: raised with inc, lowered with dec
+  static_assert(kConsumer + kProducerWgs * kProducer <= 3 * kLaunch, "moved, never added");
+};
 
 template <int D, int N>
 struct Smem {
@@ -113,44 +119,64 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_small_kernel(const 
   uint32_t block_count = 0;  // blocks this CTA has handed over so far: buffer count % 2, phase (count / 2) % 2
 
   if (wg >= 1) {
-    // ---- producers: gather, dequantise, store, one block ahead ---------------------------------
+    // ---- producers: gather, dequantise, store, kSlots - 1 blocks ahead -------------------------
     // Each of the two warpgroups takes half of every block's tokens, four threads per token (two
     // producer warps per scheduler hide each other's conversion and load latencies). The records
-    // of the next block are loaded into registers before this block is dequantised and stored, so
-    // one block's loads are always in flight behind the conversion work; the indices of the block
-    // after are read meanwhile.
-    set_max_regs_dec<kRegsProducer>();
+    // of the next kSlots - 1 blocks are in flight in registers while a block is dequantised and
+    // stored (ncu at one block ahead: half the producers' samples waited on the records at their
+    // first use, the memory latency longer than a block's work).
+    if constexpr (Regs<N>::kProducer > Regs<N>::kLaunch) set_max_regs_inc<Regs<N>::kProducer>();
+    else set_max_regs_dec<Regs<N>::kProducer>();
     const int t = (wg - 1) * (kBlockN / kProducerWgs) + wtid / kTokenParts, tp = wtid % kTokenParts;
     using Part = TokenPart<F, kTokenParts>;
+    constexpr int kSlots = Regs<N>::kSlots;
     RoundWalk<1> ahead{BlockWalk{num_pieces, s}};
     auto step = [&]() { return ahead.advance(p, plan, part); };
     auto locate = [&]() { return ahead.blocks.locate(p, t); };
-    bool have = step();
-    Part cur = have && kDiag != 2 ? load_token_part<F, kTokenParts>(p, locate(), tp) : Part{};
-    bool have_next = have && step();
-    TokenRef ref_next = have_next ? locate() : TokenRef{};
-    while (have) {
+    // The first kSlots blocks' records are loaded before any is stored; then each block, once
+    // stored, hands its register slot to the block kSlots later. Every slot is a distinct variable
+    // (the loop below is unrolled by hand), so no record moves between registers (a move would
+    // wait for its loads). A block's token is located (its index read) one load earlier.
+    bool have_ref = step();
+    TokenRef ref = have_ref ? locate() : TokenRef{};
+    int pending = 0;  // slots holding a loaded block, in store order from the next one
+    auto load_next = [&](Part& slot) {
+      if (!have_ref) return;
+      if constexpr (kDiag != 2) slot = load_token_part<F, kTokenParts>(p, ref, tp);
+      ++pending;
+      have_ref = step();
+      if (have_ref) ref = locate();
+    };
+    auto store = [&](Part& slot) {  // stores the oldest loaded block and refills its slot
+      if (pending == 0) return false;
       const int buf = block_count & 1;
-      const bool have_after = have_next && step();
-      const TokenRef ref_after = have_after ? locate() : TokenRef{};
-      Part next;  // unused past the last step
-      if (have_next && kDiag != 2) next = load_token_part<F, kTokenParts>(p, ref_next, tp);
       mbar_wait(&sm.empty[buf], ((block_count / 2) & 1) ^ 1);
       if constexpr (kDiag != 2) {
-        store_token_part<F, kTokenParts>(cur, sm.k[buf], t, tp);
-        if (tp == 0) sm.valid[buf][t] = cur.ok;
+        store_token_part<F, kTokenParts>(slot, sm.k[buf], t, tp);
+        if (tp == 0) sm.valid[buf][t] = slot.ok;
       }
       fence_proxy_async();
       mbar_arrive(&sm.full[buf]);
       ++block_count;
-      cur = next;
-      have = have_next;
-      have_next = have_after;
-      ref_next = ref_after;
+      --pending;
+      load_next(slot);
+      return true;
+    };
+    Part s0, s1, s2;
+    load_next(s0);
+    load_next(s1);
+    if constexpr (kSlots == 3) {
+      load_next(s2);
+      while (store(s0) && store(s1) && store(s2)) {
+      }
+    } else {
+      while (store(s0) && store(s1)) {
+      }
     }
   } else {
     // ---- consumer: S^T, softmax, O^T -----------------------------------------------------------
-    set_max_regs_inc<kRegsConsumer>();
+    if constexpr (Regs<N>::kConsumer > Regs<N>::kLaunch) set_max_regs_inc<Regs<N>::kConsumer>();
+    else set_max_regs_dec<Regs<N>::kConsumer>();
     const float scale_log2 = p.softmax_scale * kLog2e;
     const int key_lo = warp * 16 + g;
     const auto* q = reinterpret_cast<const __nv_bfloat16*>(p.q);
