@@ -19,11 +19,9 @@
 // The width: cuts at multiples of W fall inside requests even when the requests could stay whole
 // (32 requests of 32 blocks over 33 parts: W = 36 against 37 units per request splits 31 of them;
 // the greedy fill, with room W + overhead per part, splits none). So the planner takes the
-// smallest W' in [W, W + overhead] that splits no request, if there is one, else W. No part then
-// starts with a continuation, but a request's fixed cost can straddle a cut, so a part may cost up
-// to W' + overhead: past the greedy's bound in rare batches (few requests of whole pages over few
-// parts), never in the uniform batches this is for (37, 74 and 133 units per part in the
-// benchmark's, all within W + overhead).
+// smallest W' in [W, W + overhead] that splits no request and leaves no part costing more than
+// W + overhead, if there is one (with no request split, a part's cost is the sum of its requests'
+// units), else W.
 // Everything here is host-and-device code so the CPU backend, the device planner and the kernels
 // read a plan the same way.
 #pragma once
@@ -146,10 +144,17 @@ MLA_HD unsigned plan_cuts(long long start, int blocks, long long w) {
   return cut;
 }
 
-// The width used, from the OR of every request's plan_cuts: the smallest that cuts none, else W.
-MLA_HD long long plan_choose_width(long long w, unsigned cuts) {
+// The part whose units hold request (at unit `start`)'s first block, at width W + c: with no
+// request cut, the part that runs the whole request.
+MLA_HD int plan_first_part(long long start, long long w, int c) {
+  return int((start + kPlanFixedOverheadBlocks) / (w + c));
+}
+
+// The width used: `unfit` has bit c set where width W + c cuts a request (the OR of every request's
+// plan_cuts) or leaves a part costing more than W + overhead. The smallest other width, else W.
+MLA_HD long long plan_choose_width(long long w, unsigned unfit) {
   for (int c = 0; c < kPlanWidthChoices; ++c)
-    if (!(cuts >> c & 1u)) return w + c;
+    if (!(unfit >> c & 1u)) return w + c;
   return w;
 }
 

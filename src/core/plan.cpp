@@ -26,13 +26,21 @@ void plan_decode_host(const DecodePlanParams& p) {
   long long total = 0;
   for (int i = 0; i < p.b; ++i) total += plan_units(blocks[i] = request_blocks(p, i));
   const long long w0 = plan_width(total, p.num_sm_parts);
-  unsigned cuts = 0;
+  unsigned unfit = 0;
+  std::vector<long long> cost(size_t(kPlanWidthChoices) * p.num_sm_parts, 0);  // [width choice][part]
   long long start = 0;
   for (int i = 0; i < p.b; ++i) {
-    cuts |= plan_cuts(start, blocks[i], w0);
+    unfit |= plan_cuts(start, blocks[i], w0);
+    for (int c = 0; c < kPlanWidthChoices; ++c) {
+      const int part = plan_first_part(start, w0, c);
+      if (part < p.num_sm_parts) cost[size_t(c) * p.num_sm_parts + part] += plan_units(blocks[i]);
+    }
     start += plan_units(blocks[i]);
   }
-  const long long w = plan_choose_width(w0, cuts);
+  for (int c = 0; c < kPlanWidthChoices; ++c)
+    for (int part = 0; part < p.num_sm_parts; ++part)
+      if (cost[size_t(c) * p.num_sm_parts + part] > w0 + kPlanFixedOverheadBlocks) unfit |= 1u << c;
+  const long long w = plan_choose_width(w0, unfit);
   for (int part = 0; part < p.num_sm_parts; ++part) plan_idle_row(p, part);
   start = 0;
   p.num_splits[0] = 0;

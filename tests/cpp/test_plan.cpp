@@ -176,6 +176,25 @@ TEST(Plan, DenseInvariantsOnRandomBatches) {
   }
 }
 
+TEST(Plan, BalancedOnSmallBatchesOfWholePages) {
+  // Few requests of whole or nearly whole pages, some empty, over few parts: where a wider width
+  // cuts no request but would pile whole requests into one part, the planner must not take it.
+  std::mt19937 rng(7);
+  for (int trial = 0; trial < 3000; ++trial) {
+    const int b = 1 + int(rng() % 12);
+    std::vector<int32_t> lens(b);
+    for (auto& l : lens) l = rng() % 3 == 0 ? 0 : 64 * (1 + int(rng() % 12)) - int(rng() % 64);
+    DecodePlanParams p;
+    p.b = b;
+    p.num_sm_parts = 1 + int(rng() % 16);
+    p.seqlens_k = lens.data();
+    const HostPlan h = make_plan(p);
+    expect_covers_exactly(h);
+    expect_balanced(h);
+    if (::testing::Test::HasFailure()) break;
+  }
+}
+
 TEST(Plan, SparseInvariantsWithLengthsAndExtraCache) {
   std::mt19937 rng(2);
   for (int trial = 0; trial < 300; ++trial) {
