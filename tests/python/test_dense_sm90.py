@@ -97,15 +97,18 @@ def test_long_sequences_split_across_parts(h_q, impl, monkeypatch):
 def test_invalid_block_table_entries_are_masked(h_q, impl, monkeypatch):
     """A block-table entry inside a sequence that names no page of the cache (negative or past the
     end) contributes nothing: its keys are masked, never read."""
-    seqlens = [64 * 5, 64 * 3 + 10]
+    # The third request's first page is invalid: a whole block of -inf scores before any valid one,
+    # in the pair loop's unmasked steady part.
+    seqlens = [64 * 5, 64 * 3 + 10, 64 * 6]
     paged = R.make_dense_paged(seqlens, 64, 1, 576, torch.bfloat16)
     paged.block_table[0, 1] = -1
     paged.block_table[1, 2] = paged.k_cache.shape[0] + 5
-    q = R.rand((2, 1, h_q, 576), torch.bfloat16)
+    paged.block_table[2, 0] = -7
+    q = R.rand((3, 1, h_q, 576), torch.bfloat16)
     out, lse = run(q, paged, False, 0.05, impl, monkeypatch)
     keep0 = torch.cat([torch.arange(0, 64), torch.arange(128, 320)])
     keep1 = torch.cat([torch.arange(0, 128), torch.arange(192, 202)])
-    seqs = [paged.seqs[0][keep0], paged.seqs[1][keep1]]
+    seqs = [paged.seqs[0][keep0], paged.seqs[1][keep1], paged.seqs[2][64:]]
     ref_out, ref_lse = R.ref_dense_decode(q, seqs, 0.05, False)
     R.check_is_allclose("out", out, ref_out, **R.DENSE_OUT_TOL)
     R.check_is_allclose("lse", lse, ref_lse, **R.DENSE_LSE_TOL)

@@ -72,30 +72,33 @@ __device__ __forceinline__ bool rows_16b_aligned(const void* base, int64_t strid
 }
 
 // kRows rows of D elements into kRows x 64 tiles (tile t at q_tiles + t * kRows * 128, 128-byte
-// swizzle): row_src(r) is row r's first element, or nullptr for a row past the call's rows (zero);
-// row 0 is always live.
+// swizzle) by the kThreads threads [0, kThreads): row_src(r) is row r's first element, or nullptr
+// for a row past the call's rows (zero); row 0 is always live. Each row belongs to kThreads / kRows
+// threads, which take its 16-byte chunks in turn, so that row_src (a division by the heads per group
+// in the dense kernels) runs once per thread rather than once per chunk.
 // vec: every row 16-byte aligned. Ends with the proxy fence; the caller synchronises the threads
-// [0, threads) that wrote.
-template <typename T, int D, int kRows, typename RowSrc>
-__device__ __forceinline__ void stage_rows(const RowSrc& row_src, bool vec, uint8_t* q_tiles, int tid, int threads) {
+// that wrote.
+template <typename T, int D, int kRows, int kThreads, typename RowSrc>
+__device__ __forceinline__ void stage_rows(const RowSrc& row_src, bool vec, uint8_t* q_tiles, int tid) {
   constexpr int kChunks = D / 8;  // 16-byte chunks per row
+  constexpr int kPerRow = kThreads / kRows;
+  static_assert(kThreads % kRows == 0 && kChunks % kPerRow == 0, "whole rows per thread group");
+  const int r = tid / kPerRow;
+  const T* src = row_src(r);
+  uint8_t* row = q_tiles + r * 128;
+  const int sw = r % 8;
   if (vec) {
     // Every chunk's copy in flight at once (a load-then-store loop would expose the latency of
-    // each); dead rows are zero-filled.
-#pragma unroll 1
-    for (int c = tid; c < kRows * kChunks; c += threads) {
-      const int r = c / kChunks, ch = c % kChunks;
-      const T* src = row_src(r);
-      // A dead row reads nothing (source size 0) but still names a valid address: row 0's, which
-      // every staged tile has.
-      cp_async_16(q_tiles + (ch / 8) * kRows * 128 + r * 128 + (((ch % 8) ^ (r % 8)) << 4),
-                  src ? src + ch * 8 : row_src(0), src ? 16u : 0u);
-    }
+    // each). A dead row reads nothing (source size 0) but still names a valid address: row 0's,
+    // which every staged tile has.
+    const T* from = src ? src : row_src(0);
+    const uint32_t bytes = src ? 16u : 0u;
+#pragma unroll 6
+    for (int ch = tid % kPerRow; ch < kChunks; ch += kPerRow)
+      cp_async_16(row + (ch / 8) * kRows * 128 + (((ch % 8) ^ sw) << 4), from + ch * 8, bytes);
     cp_async_wait_all();
   } else {
-    for (int c = tid; c < kRows * kChunks; c += threads) {
-      const int r = c / kChunks, ch = c % kChunks;
-      const T* src = row_src(r);
+    for (int ch = tid % kPerRow; ch < kChunks; ch += kPerRow) {
       uint4 v = make_uint4(0, 0, 0, 0);
       if (src) {
         const uint16_t* e16 = reinterpret_cast<const uint16_t*>(src + ch * 8);
@@ -104,7 +107,7 @@ __device__ __forceinline__ void stage_rows(const RowSrc& row_src, bool vec, uint
         v = make_uint4(e[0] | uint32_t(e[1]) << 16, e[2] | uint32_t(e[3]) << 16, e[4] | uint32_t(e[5]) << 16,
                        e[6] | uint32_t(e[7]) << 16);
       }
-      *reinterpret_cast<uint4*>(q_tiles + (ch / 8) * kRows * 128 + r * 128 + (((ch % 8) ^ (r % 8)) << 4)) = v;
+      *reinterpret_cast<uint4*>(row + (ch / 8) * kRows * 128 + (((ch % 8) ^ sw) << 4)) = v;
     }
   }
   fence_proxy_async();
@@ -112,19 +115,19 @@ __device__ __forceinline__ void stage_rows(const RowSrc& row_src, bool vec, uint
 
 // Query rows [row_base, row_base + kRows) of KV head `group` of request req (row r: token
 // r / (h_q / h_k), head group * h_q / h_k + r % (h_q / h_k)), staged as stage_rows does.
-template <typename T, int D, int kRows>
+template <typename T, int D, int kRows, int kThreads>
 __device__ __forceinline__ void stage_q(const DenseDecodeParams& p, int req, int group, int row_base, uint8_t* q_tiles,
-                                        int tid, int threads) {
+                                        int tid) {
   const int hpg = p.h_q / p.h_k, num_rows = p.s_q * hpg;
   const T* q = static_cast<const T*>(p.q);
   const bool vec = rows_16b_aligned(q, p.q_stride_b, p.q_stride_s, p.q_stride_h);
-  stage_rows<T, D, kRows>(
+  stage_rows<T, D, kRows, kThreads>(
       [&](int r) -> const T* {
         const int row = row_base + r;
         if (row >= num_rows) return nullptr;
         return q + req * p.q_stride_b + (row / hpg) * p.q_stride_s + (group * hpg + row % hpg) * p.q_stride_h;
       },
-      vec, q_tiles, tid, threads);
+      vec, q_tiles, tid);
 }
 
 // Launches kernel<<<grid, threads, smem, stream>>>(args) as a programmatic dependent of the work

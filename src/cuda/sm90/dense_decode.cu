@@ -184,7 +184,7 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_kernel(const __grid_
     __syncthreads();  // the previous piece is done with Q, P and both buffers
 
     // ---- Q -> shared memory (swizzled), rows past the tile's live rows zero ------------------
-    stage_q<T, D, kBlockM>(p, i, group, row_base, sm.q[0], tid, kThreads);
+    stage_q<T, D, kBlockM, kThreads>(p, i, group, row_base, sm.q[0], tid);
     __syncthreads();
 
     if (tid == 0) {
@@ -240,9 +240,15 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_kernel(const __grid_
       const int nxt0 = next0 ? page_of(kb0 + 2) : p.num_blocks, nxt1 = next1 ? page_of(kb1 + 2) : p.num_blocks;
 
       // ---- mask and row max of this warpgroup's S ------------------------------------------
+      // Steady pairs need no per-key mask (every key of both blocks is below the sequence end and
+      // the causal limit): S stays unscaled, the row max is scaled once, and exponentiate_fma
+      // folds the scale into P = exp2(S scale - m); an invalid page's P is exp2(-inf) = 0.
       float row_max[2] = {-INFINITY, -INFINITY};
-      {
-        const bool pg_ok = mine && (wg == 0 ? pg0 : pg1) != p.num_blocks;
+      const bool pg_ok = mine && (wg == 0 ? pg0 : pg1) != p.num_blocks;
+      if constexpr (kSteady) {
+#pragma unroll
+        for (int n = 0; n < 32; ++n) row_max[(n % 4) / 2] = fmaxf(row_max[(n % 4) / 2], s[n]);
+      } else {
         // Key kb * 64 + 8 n + 2 t4 + e2 counts for row h iff 8 n + e2 <= thr[h]: the last key the
         // row may see (sequence end, causal limit; none on an invalid page) less this thread's
         // first key, so that each key's test is one compare with a constant (no branch, which
@@ -258,12 +264,22 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_kernel(const __grid_
             s[n * 4 + e] = n * 8 + (e % 2) <= thr[h] ? s[n * 4 + e] * scale_log2 : -INFINITY;
             row_max[h] = fmaxf(row_max[h], s[n * 4 + e]);
           }
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          row_max[h] = fmaxf(row_max[h], __shfl_xor_sync(0xffffffffu, row_max[h], 1));
-          row_max[h] = fmaxf(row_max[h], __shfl_xor_sync(0xffffffffu, row_max[h], 2));
-        }
       }
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        row_max[h] = fmaxf(row_max[h], __shfl_xor_sync(0xffffffffu, row_max[h], 1));
+        row_max[h] = fmaxf(row_max[h], __shfl_xor_sync(0xffffffffu, row_max[h], 2));
+        if constexpr (kSteady) row_max[h] = pg_ok ? row_max[h] * scale_log2 : -INFINITY;
+      }
+      // P = exp2(S - m) (S scaled and masked above) or exp2(S scale - m) (steady), summed per row.
+      auto softmax = [&](const float (&m)[2], float (&sum)[2]) {
+        if constexpr (kSteady) {
+          const float bias[2] = {pg_ok ? -m[0] : -INFINITY, pg_ok ? -m[1] : -INFINITY};
+          exponentiate_fma(s, scale_log2, bias, sum);
+        } else {
+          exponentiate(s, m, sum);
+        }
+      };
 
       if (wg == 0) {
         // ---- WG0: m0, P0; O_L = O_L a0 + P0 V0L ---------------------------------------------
@@ -273,7 +289,7 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_kernel(const __grid_
           m0[h] = lazy_max(m_prev[h], row_max[h]);
           a0[h] = m0[h] == m_prev[h] ? 1.f : exp2_ftz(m_prev[h] - m0[h]);
         }
-        exponentiate(s, m0, sum);
+        softmax(m0, sum);
         if (t4 == 0) sm.m[rr[0]] = m0[0], sm.m[rr[1]] = m0[1];
         named_arrive(kBarM0, kThreads);
 #pragma unroll
@@ -345,7 +361,7 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_kernel(const __grid_
           f[h] = a0 * s1;
           if (t4 == 0) sm.s1[rr[h]] = s1;
         }
-        exponentiate(s, m1, sum);
+        softmax(m1, sum);
         if (t4 == 0) sm.m[rr[0]] = m1[0], sm.m[rr[1]] = m1[1];
         named_arrive(kBarP1, kThreads);
 #pragma unroll
@@ -391,7 +407,10 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_kernel(const __grid_
       pg0 = nxt0, pg1 = nxt1;
     };
     int j = 0;
-    for (; j + 3 < n_blocks; j += 2) run_pair(j, std::true_type{});
+    // (Steady pairs end at least 65 keys before the sequence does, so the causal limit, at least
+    // s_q - 1 keys before it, spares them when s_q <= 64.)
+    if (!p.causal || p.s_q <= kBlockN)
+      for (; j + 3 < n_blocks; j += 2) run_pair(j, std::true_type{});
     for (; j < n_blocks; j += 2) run_pair(j, std::false_type{});
     rounds[0] += uint32_t((n_blocks + 1) / 2);
     rounds[1] += uint32_t(n_blocks / 2);

@@ -122,7 +122,7 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_small_kernel(const _
     }
 
     // ---- Q -> shared memory (N rows, swizzled; rows past the live rows zero) ------------------
-    stage_q<T, D, N>(p, i, group, 0, sm.q[0], tid, kThreads);
+    stage_q<T, D, N, kThreads>(p, i, group, 0, sm.q[0], tid);
     __syncthreads();
 
     // Rows (columns of S^T / O^T) this thread holds, their causal limits and running state.

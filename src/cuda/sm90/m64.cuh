@@ -50,6 +50,18 @@ __device__ __forceinline__ void exponentiate(float (&s)[32], const float (&m)[2]
   }
 }
 
+// P = exp2(S scale + bias) for this thread's two rows (S unscaled; bias -m, or -inf for a row whose
+// keys in this block are all masked), adding each row's values to sum.
+__device__ __forceinline__ void exponentiate_fma(float (&s)[32], float scale, const float (&bias)[2],
+                                                 float (&sum)[2]) {
+#pragma unroll
+  for (int n = 0; n < 32; ++n) {
+    const int h = (n % 4) / 2;
+    s[n] = exp2_ftz(fmaf(s[n], scale, bias[h]));
+    sum[h] += s[n];
+  }
+}
+
 // The running max after a block whose max is `block`, moved lazily: only when the block exceeds it
 // by more than 2^8 (log2 units), so that most blocks leave it, and with it O and the sums, as they
 // are (exp2(S - m) <= 2^8 then, well inside fp32 and the 16-bit P). From -inf it always moves.

@@ -147,12 +147,12 @@ __device__ __forceinline__ void consume(const SparseDecodeParams& p, Smem<Sparse
     if constexpr (kWg == 0) {
       // Q of this token's 64 heads (heads past h_q zero); only this warpgroup reads Q, and its S of
       // the previous piece is done.
-      stage_rows<__nv_bfloat16, D, kBlockM>(
+      stage_rows<__nv_bfloat16, D, kBlockM, 128>(
           [&](int r) -> const __nv_bfloat16* {
             const int h = row_base + r;
             return h < p.h_q ? q + i * p.q_stride_b + s * p.q_stride_s + h * p.q_stride_h : nullptr;
           },
-          q_vec, sm.q[0], wtid, 128);
+          q_vec, sm.q[0], wtid);
       named_sync(kBarWg0, 128);
     }
 

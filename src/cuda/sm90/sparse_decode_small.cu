@@ -189,11 +189,11 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_small_kernel(const 
 
       // Q of this query token -> shared memory (N heads; heads past h_q zero).
       named_sync(1, 128);  // the previous piece is done with Q
-      stage_rows<__nv_bfloat16, D, N>(
+      stage_rows<__nv_bfloat16, D, N, 128>(
           [&](int h) -> const __nv_bfloat16* {
             return h < p.h_q ? q + i * p.q_stride_b + s * p.q_stride_s + h * p.q_stride_h : nullptr;
           },
-          q_vec, sm.q[0], wtid, 128);
+          q_vec, sm.q[0], wtid);
       named_sync(1, 128);
 
       float m_run[kNT][2], l_part[kNT][2], o[kVTiles][N / 2];
