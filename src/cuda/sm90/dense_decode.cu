@@ -32,18 +32,19 @@
 // buffers; wgmma m64n64k16 (S, both operands in shared memory) and m64n256k16 (P V, P from
 // registers for the own block, from shared memory for the other warpgroup's).
 // Reached on an H200 (bench/RESULTS.md, whole API call, FlashMLA timed in the same run): dense
-// b=128 h_q=128 s_k=4096 varlen 313.9 us = 439 TFLOPS (56% of the matmul ceiling; FlashMLA 259.1
-// us, 0.83x); s_q=2 causal s_k=8192 984.9 us = 555 TFLOPS (FlashMLA 872.8 us, 0.89x); with the
-// parallel planner 315.6-323.8 us (FlashMLA 258.2-265.6, 0.80-0.83x), s_q=2 987.5 (899.5, 0.91x),
-// b=2 s_k=65536 99.7 us (87.1, 0.87x), b=8 s_k=1024 31.7 us (33.8, 1.07x). (h_q=16 goes to the
+// b=128 h_q=128 s_k=4096 varlen 304.9 us = 453 TFLOPS (58% of the matmul ceiling; FlashMLA 257.8
+// us, 0.85x; 270 us with the plan reused), s_q=2 causal s_k=8192 947.7 us (837.6, 0.88x), b=2
+// s_k=65536 97.1 us (88.2, 0.91x), b=8 s_k=1024 29.5 us (34.0, 1.15x). (h_q=16 goes to the
 // small-rows kernel.) Steps: the softmax's exp2 in one MUFU (exp2_ftz) 356 -> 326 us; wgmma
 // descriptors at constant offsets from two bases, the per-key mask as one compare against a
 // per-row threshold, the lazy running max and O rescales skipped by a warp vote 326 -> 314 us
-// (s_q=2 1071 -> 985).
-// Where the time goes (ncu stall samples at h_q=128, before that): each warpgroup's next S waits
-// for its first reloaded tiles (~10%: a freed tile is reloaded only one product before it is
-// needed), the four cross-warpgroup barriers per pair (~12%), the wgmma issue itself; a pair of
-// blocks took ~5.6 us against FlashMLA's ~4.2 us with the same tensor work.
+// (s_q=2 1071 -> 985); Q staged with one address per row rather than per chunk, and steady pairs
+// without the per-key mask (P = exp2(S scale - m) in one FFMA + MUFU) 284 -> 270 us plan reused.
+// Where the time goes (ncu, h_q=128, before the last step): the kernel 283 us against FlashMLA's
+// 227 with the same DRAM bytes; equal time waiting on TMA tiles, but more fixed-latency stalls
+// (MUFU sequences, index and mask arithmetic), warpgroup waits and wgmma issue, the epilogue's
+// global stores (FlashMLA stores O by TMA) and, since fixed, the Q staging loop (5%); SM active
+// cycles vary +-7% (per-piece costs above the planner's fixed cost of 5 blocks).
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <cuda_runtime.h>
