@@ -8,15 +8,15 @@
 // pieces; one CTA per SM):
 //   * warpgroups 1 and 2 produce, each half of every 64-slot block, two blocks ahead at N = 16
 //     (setmaxnreg 176, three register slots of records) and one at N = 32 (136, two slots): four
-//     threads per token gather the FP8 record with 16-byte loads (8-byte for MODEL1,
-//     whose records are only 8-byte aligned), dequantise it to bf16 (exactly as the reference:
-//     e4m3 * scale rounded to bf16; RoPE copied) and store it into a 64 x D key buffer in the
-//     128-byte swizzle, with a validity flag per token; two buffers handed over with full / empty
-//     mbarriers;
-//   * warpgroup 0 (setmaxnreg 152 at N = 16, 232 at N = 32) consumes, with the heads as wgmma's N (16 or 32; no padding to 64):
-//     S^T (64 tokens x N heads) = K Q^T, masked by the validity flags; the softmax down the columns
-//     of S^T (lanes sharing a head, then the four warps through shared memory); P (N x 64) to
-//     shared memory; O^T (512 x N) += V^T P^T with V read transposed from the buffer;
+//     threads per token gather the FP8 record with 16-byte loads (8-byte for MODEL1, whose records
+//     are only 8-byte aligned), dequantise it to bf16 (exactly as the reference: e4m3 * scale
+//     rounded to bf16; RoPE copied) and store it into a 64 x D key buffer in the 128-byte swizzle,
+//     with a validity flag per token; two buffers handed over with full / empty mbarriers;
+//   * warpgroup 0 (setmaxnreg 152 at N = 16, 232 at N = 32) consumes, with the heads as wgmma's N
+//     (16 or 32; no padding to 64): S^T (64 tokens x N heads) = K Q^T, masked by the validity
+//     flags; the softmax down the columns of S^T (lanes sharing a head, then the four warps through
+//     shared memory); P (N x 64) to shared memory; O^T (512 x N) += V^T P^T with V read transposed
+//     from the buffer;
 //   * epilogue: O^T / (l + exp2(sink - m)) to out / lse for whole pieces, fp32 partials for split
 //     ones (the combine kernel applies the sink).
 // Tile sizes: 64-token blocks, N = 16 or 32 heads, two bf16 key buffers (144 KB at d_qk 576) + Q.
@@ -25,10 +25,10 @@
 // the plan reused); b=64 h_q=32 74.4-76.8 us (107.6-108.9, 1.40-1.46x); MODEL1 b=128 h_q=16 mixed
 // with sink 49.7-53.5 us (104.9-105.6, 1.96-2.12x; 41.5 reused). Timed alone with MLA_SPARSE_DIAG
 // (plan reused, V3.2 h_q=16): producers 55.0 us with three slots (70.5 with two), consumer about
-// 46 (80.9 whole with the old planner's ~35), together 77: they overlap poorly. The consumer's tensor and shared-memory work is ~1400 cycles
-// of the ~5000 a block took before the slots (splitting S into two accumulator chains changed
-// nothing, so it is not the wgmma chain). What moved
-// it (183.5 -> 155.8 us at h_q=16): the token's lengths read once per request and its cache named by
+// 46 (80.9 whole with the old planner's ~35), together 77: they overlap poorly. The consumer's
+// tensor and shared-memory work is ~1400 cycles of the ~5000 a block took before the slots
+// (splitting S into two accumulator chains changed nothing, so it is not the wgmma chain). What
+// moved it (183.5 -> 155.8 us at h_q=16): the token's lengths read once per request and its cache named by
 // a flag (the producer had stalled at every block on loads it had just issued), the index read a
 // block ahead of the record, per-thread constant store offsets, branch-free dequantisation; then a
 // second producer warpgroup (155.8 -> 124.8: ncu had the single one latency-bound with one warp per
