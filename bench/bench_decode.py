@@ -222,6 +222,11 @@ CASES = {
     "dense_b128_sq2_h128_sk8192_causal_varlen": lambda **kw: dense_case(128, 2, 128, 8192, True, **kw),
     "dense_b2_h128_sk65536": lambda **kw: dense_case(2, 1, 128, 65536, False, fixed=True, **kw),
     "dense_b8_h128_sk1024": lambda **kw: dense_case(8, 1, 128, 1024, False, **kw),
+    # small batches, short and long sequences (the plan splits long ones across many parts)
+    "dense_b1_h128_sk512": lambda **kw: dense_case(1, 1, 128, 512, False, fixed=True, **kw),
+    "dense_b1_h128_sk65536": lambda **kw: dense_case(1, 1, 128, 65536, False, fixed=True, **kw),
+    "dense_b4_h128_sk8192": lambda **kw: dense_case(4, 1, 128, 8192, False, **kw),
+    "dense_b8_h128_sk32768": lambda **kw: dense_case(8, 1, 128, 32768, False, **kw),
     "sparse_v32_b128_h128_topk2048": lambda **kw: sparse_case("v32", 128, 1, 128, 2048, **kw),
     "sparse_v32_b128_h16_topk2048": lambda **kw: sparse_case("v32", 128, 1, 16, 2048, **kw),
     "sparse_v32_b64_h32_topk2048": lambda **kw: sparse_case("v32", 64, 1, 32, 2048, **kw),
