@@ -160,19 +160,24 @@ void expect_balanced(const HostPlan& h) {
   }
 }
 
+// The plan of a dense batch with these lengths over num_sm_parts parts covers every block exactly
+// once and is balanced.
+void expect_sound_dense_plan(const std::vector<int32_t>& lens, int num_sm_parts) {
+  DecodePlanParams p;
+  p.b = int(lens.size());
+  p.num_sm_parts = num_sm_parts;
+  p.seqlens_k = lens.data();
+  const HostPlan h = make_plan(p);
+  expect_covers_exactly(h);
+  expect_balanced(h);
+}
+
 TEST(Plan, DenseInvariantsOnRandomBatches) {
   std::mt19937 rng(1);
   for (int trial = 0; trial < 300; ++trial) {
-    const int b = 1 + int(rng() % 200);
-    std::vector<int32_t> lens(b);
+    std::vector<int32_t> lens(1 + rng() % 200);
     for (auto& l : lens) l = rng() % 5 == 0 ? 0 : int(rng() % 20000);
-    DecodePlanParams p;
-    p.b = b;
-    p.num_sm_parts = 1 + int(rng() % 140);
-    p.seqlens_k = lens.data();
-    const HostPlan h = make_plan(p);
-    expect_covers_exactly(h);
-    expect_balanced(h);
+    expect_sound_dense_plan(lens, 1 + int(rng() % 140));
   }
 }
 
@@ -181,16 +186,9 @@ TEST(Plan, BalancedOnSmallBatchesOfWholePages) {
   // cuts no request but would pile whole requests into one part, the planner must not take it.
   std::mt19937 rng(7);
   for (int trial = 0; trial < 3000; ++trial) {
-    const int b = 1 + int(rng() % 12);
-    std::vector<int32_t> lens(b);
+    std::vector<int32_t> lens(1 + rng() % 12);
     for (auto& l : lens) l = rng() % 3 == 0 ? 0 : 64 * (1 + int(rng() % 12)) - int(rng() % 64);
-    DecodePlanParams p;
-    p.b = b;
-    p.num_sm_parts = 1 + int(rng() % 16);
-    p.seqlens_k = lens.data();
-    const HostPlan h = make_plan(p);
-    expect_covers_exactly(h);
-    expect_balanced(h);
+    expect_sound_dense_plan(lens, 1 + int(rng() % 16));
     if (::testing::Test::HasFailure()) break;
   }
 }
