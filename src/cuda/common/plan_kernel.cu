@@ -2,10 +2,11 @@
 // costs are summed and every row is set idle; a scan of the costs gives each request its position
 // on the line (plan.h), from which each thread marks the widths that would cut its request and adds
 // its units to the part it would fall in at each width (shared memory), to rule out widths that
-// leave a part over the bound; with the width chosen, each thread writes the rows its request begins or ends, and a second scan turns
-// the piece counts into num_splits. The same functions (plan.h) make the host plan, so device and
-// host plans are identical. The decode kernel that follows is a programmatic dependent: its CTAs
-// may start their prologue now and wait for this grid before they read the plan.
+// leave a part over the bound; with the width chosen, each thread writes the rows its request
+// begins or ends, and a second scan turns the piece counts into num_splits. The same functions
+// (plan.h) make the host plan, so device and host plans are identical. The decode kernel that
+// follows is a programmatic dependent: its CTAs may start their prologue now and wait for this
+// grid before they read the plan.
 #include <cuda_runtime.h>
 
 #include <cub/block/block_reduce.cuh>
