@@ -328,10 +328,10 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_kernel(const __grid_
         for (int h = 0; h < 2; ++h) l_own[h] *= s1[h];
 
         // ---- after WG1 issued O_R += P0 V0R: O_L = O_L s1 + P1 V1L, then the next S0 -----------
-        if (has1) {
-          for (int t = 0; t < kVTilesPerWg; ++t) mbar_wait(&sm.full[1][t], parity(1, jp));
-          if (valid1 < kBlockN) zero_v_tail(sm, 1, 0, valid1, wtid, kBarWg0);
-        }
+        // K1's V1L tiles landed: WG1 waited for every tile of K1 before its S1, then arrived at
+        // kBarP1, which this warpgroup has passed (the barrier orders WG1's observation of the
+        // loads before this warpgroup's reads, as a wait here would, without the polls).
+        if (has1 && valid1 < kBlockN) zero_v_tail(sm, 1, 0, valid1, wtid, kBarWg0);
         named_sync(kBarV0RIssued, kThreads);
         if (rescale1) scale_rows(o, s1[0], s1[1]);
         if (has1) pv_ss<T>(sm.p(1), sm.k[1][0], o);
@@ -391,7 +391,8 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_kernel(const __grid_
           if (wtid == 0 && next1) load_tiles(1, nxt1, kVTilesPerWg, 2 * kVTilesPerWg);
         }
         named_sync(kBarP0, kThreads);
-        for (int t = kVTilesPerWg; t < 2 * kVTilesPerWg; ++t) mbar_wait(&sm.full[0][t], parity(0, jp));
+        // K0's V0R tiles landed: WG0 waited for every tile of K0 before its S0, then arrived at
+        // kBarM0 and kBarP0.
         if (valid0 < kBlockN) zero_v_tail(sm, 0, kVTilesPerWg, valid0, wtid, kBarWg1);
         pv_ss<T>(sm.p(0), sm.k[0][kVTilesPerWg], o);
         named_arrive(kBarV0RIssued, kThreads);
