@@ -75,6 +75,16 @@ int device_arch() {
 
 namespace {
 
+}  // namespace
+
+bool programmatic_launch() {
+  if (device_arch() < 90) return false;
+  const char* env = std::getenv("MLA_KERNELS_PDL");
+  return !(env && std::string(env) == "0");
+}
+
+namespace {
+
 std::string forced_implementation() {
   const char* env = std::getenv("MLA_KERNELS_IMPL");
   return env ? env : "";

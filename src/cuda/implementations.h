@@ -10,6 +10,11 @@ namespace mla::cuda {
 // Compute capability x 10 of the current device (read once per device).
 int device_arch();
 
+// Whether kernels may be launched as programmatic dependents of the kernel before them (sm90+,
+// unless MLA_KERNELS_PDL=0, read at each call: every kernel then starts after its predecessor
+// ends, for debugging and for measuring what the overlap is worth).
+bool programmatic_launch();
+
 // The combine of a decode call's split pieces (sink: the sparse call's attention sink, or null),
 // which every decode implementation launches after its attention kernel.
 inline CombineParams combine_params(int b, int s_q, int h_q, const DecodeSplit& split, const DecodeOutput& o,

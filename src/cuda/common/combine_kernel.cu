@@ -9,6 +9,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include "../implementations.h"
 #include "mla/mla.h"
 
 namespace mla::cuda {
@@ -95,7 +96,7 @@ cudaError_t combine(const CombineParams& p, cudaStream_t stream, bool pdl) {
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   config.attrs = attr;
-  config.numAttrs = pdl ? 1 : 0;
+  config.numAttrs = pdl && programmatic_launch() ? 1 : 0;
   if (p.o.out_dtype == DType::kFP16) return cudaLaunchKernelEx(&config, combine_kernel<__half>, p);
   return cudaLaunchKernelEx(&config, combine_kernel<__nv_bfloat16>, p);
 }

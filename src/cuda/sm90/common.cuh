@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "../common/decode_io.cuh"
+#include "../implementations.h"
 #include "mla/params.h"
 #include "mla/plan.h"
 #include "ptx_sm90.cuh"
@@ -131,25 +132,30 @@ __device__ __forceinline__ void stage_q(const DenseDecodeParams& p, int req, int
 }
 
 // Launches kernel<<<grid, threads, smem, stream>>>(args) as a programmatic dependent of the work
-// before it on the stream (the kernel waits with griddepcontrol.wait before reading its inputs), in
-// clusters of cluster_x CTAs along x when cluster_x > 1.
+// before it on the stream (the kernel waits with griddepcontrol.wait before reading its inputs;
+// unless programmatic_launch() is off), in clusters of cluster_x CTAs along x when cluster_x > 1.
 template <typename Args>
 cudaError_t launch_dependent(void (*kernel)(Args), dim3 grid, int threads, int smem, cudaStream_t stream,
                              const Args& args, int cluster_x = 1) {
   cudaLaunchAttribute attr[2];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  attr[1].id = cudaLaunchAttributeClusterDimension;
-  attr[1].val.clusterDim.x = unsigned(cluster_x);
-  attr[1].val.clusterDim.y = 1;
-  attr[1].val.clusterDim.z = 1;
+  unsigned n = 0;
+  if (programmatic_launch()) {
+    attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[n++].val.programmaticStreamSerializationAllowed = 1;
+  }
+  if (cluster_x > 1) {
+    attr[n].id = cudaLaunchAttributeClusterDimension;
+    attr[n].val.clusterDim.x = unsigned(cluster_x);
+    attr[n].val.clusterDim.y = 1;
+    attr[n++].val.clusterDim.z = 1;
+  }
   cudaLaunchConfig_t config = {};
   config.gridDim = grid;
   config.blockDim = dim3(unsigned(threads));
   config.dynamicSmemBytes = size_t(smem);
   config.stream = stream;
   config.attrs = attr;
-  config.numAttrs = cluster_x > 1 ? 2 : 1;
+  config.numAttrs = n;
   return cudaLaunchKernelEx(&config, kernel, args);
 }
 
