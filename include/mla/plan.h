@@ -66,6 +66,7 @@ struct DecodePlanParams {
   const int32_t* extra_topk_length = nullptr;  // [b] optional: valid extra slots
   int32_t* tile_scheduler_metadata = nullptr;  // [num_sm_parts, 8] out
   int32_t* num_splits = nullptr;               // [b + 1] out
+  int fixed_cost = kPlanFixedOverheadBlocks;   // a piece's cost in blocks, in [1, kPlanFixedOverheadBlocks]
 };
 
 // ceil(a / b) for a >= 0, b > 0, without overflow near INT_MAX.
@@ -97,10 +98,15 @@ MLA_HD int request_blocks(const DecodePlanParams& p, int i) {
   return sparse_main_blocks(p, i) + ceil_div(sparse_extra_len(p, i), kPlanBlockSize);
 }
 
+// A plan's fixed cost per piece, clamped to [1, kPlanFixedOverheadBlocks].
+MLA_HD int plan_fixed(const DecodePlanParams& p) {
+  return p.fixed_cost < 1 ? 1 : (p.fixed_cost > kPlanFixedOverheadBlocks ? kPlanFixedOverheadBlocks : p.fixed_cost);
+}
+
 // Blocks the planner charges a request of `blocks` = request_blocks (at least one: an empty request
-// still costs a piece), and the units of the planner's line it takes (plus its fixed cost).
+// still costs a piece), and the units of the planner's line it takes (plus the fixed cost f).
 MLA_HD int plan_charged(int blocks) { return blocks > 0 ? blocks : 1; }
-MLA_HD int plan_units(int blocks) { return plan_charged(blocks) + kPlanFixedOverheadBlocks; }
+MLA_HD int plan_units(int blocks, int f) { return plan_charged(blocks) + f; }
 
 // One piece of a part: request `req`, blocks [block_begin, block_end).
 struct PlanPiece {
@@ -133,27 +139,25 @@ MLA_HD PlanPiece plan_piece(const PlanRow& row, const int32_t* num_splits, int k
 // the requests.
 MLA_HD long long plan_width(long long total, int num_sm_parts) { return (total + num_sm_parts - 1) / num_sm_parts; }
 
-// The widths the planner tries: W + c for c in [0, kPlanWidthChoices).
+// The widths the planner tries: W + c for c in [0, f + 1) with f the fixed cost; at most this many.
 constexpr int kPlanWidthChoices = kPlanFixedOverheadBlocks + 1;
 
 // Bit c set: request (at unit `start`, `blocks` = request_blocks) is cut in two by width W + c.
-MLA_HD unsigned plan_cuts(long long start, int blocks, long long w) {
-  const long long first = start + kPlanFixedOverheadBlocks, last = start + plan_units(blocks) - 1;
+MLA_HD unsigned plan_cuts(long long start, int blocks, long long w, int f) {
+  const long long first = start + f, last = start + plan_units(blocks, f) - 1;
   unsigned cut = 0;
-  for (int c = 0; c < kPlanWidthChoices; ++c) cut |= unsigned(first / (w + c) != last / (w + c)) << c;
+  for (int c = 0; c <= f; ++c) cut |= unsigned(first / (w + c) != last / (w + c)) << c;
   return cut;
 }
 
 // The part whose units hold request (at unit `start`)'s first block, at width W + c: with no
 // request cut, the part that runs the whole request.
-MLA_HD int plan_first_part(long long start, long long w, int c) {
-  return int((start + kPlanFixedOverheadBlocks) / (w + c));
-}
+MLA_HD int plan_first_part(long long start, long long w, int c, int f) { return int((start + f) / (w + c)); }
 
 // The width used: `unfit` has bit c set where width W + c cuts a request (the OR of every request's
-// plan_cuts) or leaves a part costing more than W + overhead. The smallest other width, else W.
-MLA_HD long long plan_choose_width(long long w, unsigned unfit) {
-  for (int c = 0; c < kPlanWidthChoices; ++c)
+// plan_cuts) or leaves a part costing more than W + f. The smallest other width, else W.
+MLA_HD long long plan_choose_width(long long w, unsigned unfit, int f) {
+  for (int c = 0; c <= f; ++c)
     if (!(unfit >> c & 1u)) return w + c;
   return w;
 }
@@ -171,10 +175,11 @@ MLA_HD void plan_idle_row(const DecodePlanParams& p, int part) {
 // fields of the rows it begins or ends (every other field of those rows is written by the request
 // that begins or ends them, or is the idle row's) and returns its piece count. Rows start idle.
 MLA_HD int plan_request(const DecodePlanParams& p, int i, long long start, int blocks, long long w) {
-  const long long first = start + kPlanFixedOverheadBlocks, end = start + plan_units(blocks);  // its block units
-  const int f = int(first / w), l = int((end - 1) / w);                              // its first and last part
-  const bool opens = i == 0 || (start - 1) / w < f;                // the request before has no block in part f
-  const bool closes = i == p.b - 1 || (end + kPlanFixedOverheadBlocks) / w > l;  // nor the one after in part l
+  const int fixed = plan_fixed(p);
+  const long long first = start + fixed, end = start + plan_units(blocks, fixed);  // its block units
+  const int f = int(first / w), l = int((end - 1) / w);                    // its first and last part
+  const bool opens = i == 0 || (start - 1) / w < f;      // the request before has no block in part f
+  const bool closes = i == p.b - 1 || (end + fixed) / w > l;  // nor the one after in part l
   PlanRow* rows = reinterpret_cast<PlanRow*>(p.tile_scheduler_metadata);
   for (int j = f; j <= l; ++j) {
     PlanRow& r = rows[j];
@@ -206,8 +211,14 @@ MLA_HD DecodePlanParams plan_params_for(int b, const DecodeSplit& split) {
   pp.num_splits = const_cast<int32_t*>(split.num_splits);
   return pp;
 }
+// The fixed cost per piece for a dense call of rows = s_q * h_q / h_k query rows per KV head, or a
+// sparse one of h_q heads: the few-rows kernels' for at most 32.
+MLA_HD int plan_fixed_for_rows(long long rows) {
+  return rows > 0 && rows <= 32 ? kPlanFewRowsFixedBlocks : kPlanFixedOverheadBlocks;
+}
 MLA_HD DecodePlanParams dense_plan_params(const DenseDecodeParams& p) {
   DecodePlanParams pp = plan_params_for(p.b, p.split);
+  pp.fixed_cost = p.h_k > 0 ? plan_fixed_for_rows((long long)p.s_q * (p.h_q / p.h_k)) : kPlanFixedOverheadBlocks;
   pp.seqlens_k = p.seqlens_k;
   const long long capacity = (long long)p.max_blocks_per_seq * p.page_block_size;
   pp.max_seqlen = capacity < 0x7fffffff ? int(capacity) : 0x7fffffff;
@@ -215,6 +226,7 @@ MLA_HD DecodePlanParams dense_plan_params(const DenseDecodeParams& p) {
 }
 MLA_HD DecodePlanParams sparse_plan_params(const SparseDecodeParams& p) {
   DecodePlanParams pp = plan_params_for(p.b, p.split);
+  pp.fixed_cost = plan_fixed_for_rows(p.h_q);
   pp.topk = p.topk;
   pp.topk_length = p.topk_length;
   pp.extra_topk = p.extra_kv.data ? p.extra_topk : 0;

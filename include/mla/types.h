@@ -49,7 +49,15 @@ constexpr float kLn2 = 0.6931471805599453f;
 // Split-KV planning: a plan block is this many KV tokens (dense) or top-k slots (sparse).
 constexpr int kPlanBlockSize = 64;
 // Cost of starting a (request, part) piece, in blocks: covers loading q, the epilogue and the combine.
+// FlashMLA's value, for kernels of 64 query rows per CTA; at most this.
 constexpr int kPlanFixedOverheadBlocks = 5;
+// The same for the few-rows kernels (at most 32 query rows per KV head, or 32 sparse heads), whose
+// blocks are memory-bound: a piece costs its Q and its first loads, about a block.
+#ifndef MLA_PLAN_FEW_ROWS_COST
+#define MLA_PLAN_FEW_ROWS_COST 2
+#endif
+constexpr int kPlanFewRowsFixedBlocks = MLA_PLAN_FEW_ROWS_COST;
+static_assert(kPlanFewRowsFixedBlocks >= 1 && kPlanFewRowsFixedBlocks <= kPlanFixedOverheadBlocks, "a piece costs");
 
 // Error raised by validation in the core; the message names the argument, what was expected and
 // what was given. Front-ends turn it into their own error type (torch: RuntimeError).

@@ -23,30 +23,31 @@ void check_lengths(const DecodePlanParams& p) {
 void plan_decode_host(const DecodePlanParams& p) {
   check_lengths(p);
   std::vector<int> blocks(p.b);
+  const int f = plan_fixed(p);
   long long total = 0;
-  for (int i = 0; i < p.b; ++i) total += plan_units(blocks[i] = request_blocks(p, i));
+  for (int i = 0; i < p.b; ++i) total += plan_units(blocks[i] = request_blocks(p, i), f);
   const long long w0 = plan_width(total, p.num_sm_parts);
   unsigned unfit = 0;
   std::vector<long long> cost(size_t(kPlanWidthChoices) * p.num_sm_parts, 0);  // [width choice][part]
   long long start = 0;
   for (int i = 0; i < p.b; ++i) {
-    unfit |= plan_cuts(start, blocks[i], w0);
-    for (int c = 0; c < kPlanWidthChoices; ++c) {
-      const int part = plan_first_part(start, w0, c);
-      if (part < p.num_sm_parts) cost[size_t(c) * p.num_sm_parts + part] += plan_units(blocks[i]);
+    unfit |= plan_cuts(start, blocks[i], w0, f);
+    for (int c = 0; c <= f; ++c) {
+      const int part = plan_first_part(start, w0, c, f);
+      if (part < p.num_sm_parts) cost[size_t(c) * p.num_sm_parts + part] += plan_units(blocks[i], f);
     }
-    start += plan_units(blocks[i]);
+    start += plan_units(blocks[i], f);
   }
-  for (int c = 0; c < kPlanWidthChoices; ++c)
+  for (int c = 0; c <= f; ++c)
     for (int part = 0; part < p.num_sm_parts; ++part)
-      if (cost[size_t(c) * p.num_sm_parts + part] > w0 + kPlanFixedOverheadBlocks) unfit |= 1u << c;
-  const long long w = plan_choose_width(w0, unfit);
+      if (cost[size_t(c) * p.num_sm_parts + part] > w0 + f) unfit |= 1u << c;
+  const long long w = plan_choose_width(w0, unfit, f);
   for (int part = 0; part < p.num_sm_parts; ++part) plan_idle_row(p, part);
   start = 0;
   p.num_splits[0] = 0;
   for (int i = 0; i < p.b; ++i) {
     p.num_splits[i + 1] = p.num_splits[i] + plan_request(p, i, start, blocks[i], w);
-    start += plan_units(blocks[i]);
+    start += plan_units(blocks[i], f);
   }
 }
 

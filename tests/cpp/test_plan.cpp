@@ -86,6 +86,32 @@ TEST(Plan, UniformDenseRequestsStayWhole) {
   expect_balanced(h);
 }
 
+TEST(Plan, FewRowsUniformRequestsUseEveryPart) {
+  // The same batch planned for the few-rows kernel (16 query rows per KV head: fixed cost
+  // kPlanFewRowsFixedBlocks): a request now takes fewer units than any width in [W, W + f] needs to
+  // keep requests whole, so the cuts fall at multiples of W and every part runs about W units,
+  // 4 parts no longer idle.
+  const std::vector<int32_t> lens(128, 8192);
+  DenseDecodeParams d;
+  d.b = 128, d.s_q = 1, d.h_q = 16, d.h_k = 1;
+  d.max_blocks_per_seq = 128, d.page_block_size = 64;
+  d.split.num_sm_parts = 132;
+  DecodePlanParams p = dense_plan_params(d);
+  EXPECT_EQ(p.fixed_cost, kPlanFewRowsFixedBlocks);
+  p.seqlens_k = lens.data();
+  const HostPlan h = make_plan(p);
+  for (int part = 0; part < 132; ++part) EXPECT_LT(h.rows[part * 8], 128) << "part " << part << " runs work";
+  expect_covers_exactly(h);
+  expect_balanced(h);
+  d.h_q = 128;  // 64-row tiles: FlashMLA's fixed cost
+  EXPECT_EQ(dense_plan_params(d).fixed_cost, kPlanFixedOverheadBlocks);
+  SparseDecodeParams sp;
+  sp.h_q = 32;
+  EXPECT_EQ(sparse_plan_params(sp).fixed_cost, kPlanFewRowsFixedBlocks);
+  sp.h_q = 64;
+  EXPECT_EQ(sparse_plan_params(sp).fixed_cost, kPlanFixedOverheadBlocks);
+}
+
 TEST(Plan, IdlePartsWhenThereIsLittleWork) {
   // One 1-block request over 6 parts: W = ceil(6 / 6) = 1, its block is unit 5, so part 5 runs it
   // whole and parts 0-4 are idle (begin_req = b).
@@ -144,9 +170,10 @@ void expect_covers_exactly(const HostPlan& h) {
 void expect_balanced(const HostPlan& h) {
   const DecodePlanParams& p = h.params;
   const auto* rows = reinterpret_cast<const PlanRow*>(h.rows.data());
+  const int f = plan_fixed(p);
   long long total = 0;
-  for (int b = 0; b < p.b; ++b) total += plan_units(request_blocks(p, b));
-  const long long bound = (total + p.num_sm_parts - 1) / p.num_sm_parts + kPlanFixedOverheadBlocks;
+  for (int b = 0; b < p.b; ++b) total += plan_units(request_blocks(p, b), f);
+  const long long bound = (total + p.num_sm_parts - 1) / p.num_sm_parts + f;
   for (int part = 0; part < p.num_sm_parts; ++part) {
     const PlanRow& r = rows[part];
     if (r.begin_req >= p.b) continue;
@@ -154,19 +181,21 @@ void expect_balanced(const HostPlan& h) {
     for (int k = 0; k <= r.end_req - r.begin_req; ++k) {
       const PlanPiece pc = plan_piece(r, h.num_splits.data(), k, request_blocks(p, r.begin_req + k));
       const int run = pc.block_end - pc.block_begin;  // an empty request is charged one block
-      cost += std::max(run, request_blocks(p, pc.req) == 0 ? 1 : 0) + kPlanFixedOverheadBlocks;
+      cost += std::max(run, request_blocks(p, pc.req) == 0 ? 1 : 0) + f;
     }
     EXPECT_LE(cost, bound) << "part " << part;
   }
 }
 
-// The plan of a dense batch with these lengths over num_sm_parts parts covers every block exactly
-// once and is balanced.
-void expect_sound_dense_plan(const std::vector<int32_t>& lens, int num_sm_parts) {
+// The plan of a dense batch with these lengths over num_sm_parts parts, at this fixed cost per
+// piece, covers every block exactly once and is balanced.
+void expect_sound_dense_plan(const std::vector<int32_t>& lens, int num_sm_parts,
+                             int fixed_cost = kPlanFixedOverheadBlocks) {
   DecodePlanParams p;
   p.b = int(lens.size());
   p.num_sm_parts = num_sm_parts;
   p.seqlens_k = lens.data();
+  p.fixed_cost = fixed_cost;
   const HostPlan h = make_plan(p);
   expect_covers_exactly(h);
   expect_balanced(h);
@@ -177,7 +206,8 @@ TEST(Plan, DenseInvariantsOnRandomBatches) {
   for (int trial = 0; trial < 300; ++trial) {
     std::vector<int32_t> lens(1 + rng() % 200);
     for (auto& l : lens) l = rng() % 5 == 0 ? 0 : int(rng() % 20000);
-    expect_sound_dense_plan(lens, 1 + int(rng() % 140));
+    // every fixed cost the planner takes
+    expect_sound_dense_plan(lens, 1 + int(rng() % 140), 1 + trial % kPlanFixedOverheadBlocks);
   }
 }
 

@@ -38,9 +38,10 @@ __global__ void __launch_bounds__(kThreads) plan_decode_kernel(DecodePlanParams 
   const int tid = threadIdx.x;
 
   // The first round's block counts and positions stay in registers (most batches have one round).
+  const int f = plan_fixed(p);
   const int blocks_first = tid < p.b ? request_blocks(p, tid) : 0;
-  long long cost = tid < p.b ? plan_units(blocks_first) : 0;
-  for (int i = tid + kThreads; i < p.b; i += kThreads) cost += plan_units(request_blocks(p, i));
+  long long cost = tid < p.b ? plan_units(blocks_first, f) : 0;
+  for (int i = tid + kThreads; i < p.b; i += kThreads) cost += plan_units(request_blocks(p, i), f);
   const long long total = Reduce(tmp.reduce).Sum(cost);
   if (tid == 0) total_all = total, unfit_all = 0, p.num_splits[0] = 0;
   for (int part = tid; part < p.num_sm_parts; part += kThreads) plan_idle_row(p, part);
@@ -50,7 +51,7 @@ __global__ void __launch_bounds__(kThreads) plan_decode_kernel(DecodePlanParams 
   // Request i's position on the line: start_base (the rounds before) + start.
   auto position = [&](int round, int blocks, long long& start, long long& round_units) {
     const int i = round + tid;
-    const long long units = i < p.b ? plan_units(blocks) : 0;
+    const long long units = i < p.b ? plan_units(blocks, f) : 0;
     PosScan(tmp.pos).ExclusiveSum(units, start, round_units);
     __syncthreads();
   };
@@ -63,11 +64,11 @@ __global__ void __launch_bounds__(kThreads) plan_decode_kernel(DecodePlanParams 
     long long start, round_units;
     position(round, blocks, start, round_units);
     if (i < p.b) {
-      cuts |= plan_cuts(start_base + start, blocks, w0);
-      for (int c = 0; c < kPlanWidthChoices; ++c) {
-        const int first_part = plan_first_part(start_base + start, w0, c);
+      cuts |= plan_cuts(start_base + start, blocks, w0, f);
+      for (int c = 0; c <= f; ++c) {
+        const int first_part = plan_first_part(start_base + start, w0, c, f);
         if (first_part < p.num_sm_parts)
-          atomicAdd(&part_cost[c * p.num_sm_parts + first_part], (unsigned long long)plan_units(blocks));
+          atomicAdd(&part_cost[c * p.num_sm_parts + first_part], (unsigned long long)plan_units(blocks, f));
       }
     }
     if (round == 0) start_first = start, units_first = round_units;
@@ -76,10 +77,10 @@ __global__ void __launch_bounds__(kThreads) plan_decode_kernel(DecodePlanParams 
   __syncthreads();  // every request's units are in part_cost
   unsigned unfit = cuts;
   for (int k = tid; k < kPlanWidthChoices * p.num_sm_parts; k += kThreads)
-    if (part_cost[k] > (unsigned long long)(w0 + kPlanFixedOverheadBlocks)) unfit |= 1u << (k / p.num_sm_parts);
+    if (part_cost[k] > (unsigned long long)(w0 + f)) unfit |= 1u << (k / p.num_sm_parts);
   if (unfit) atomicOr(&unfit_all, unfit);
   __syncthreads();
-  const long long w = plan_choose_width(w0, unfit_all);
+  const long long w = plan_choose_width(w0, unfit_all, f);
 
   start_base = 0;
   int pieces_base = 0;
