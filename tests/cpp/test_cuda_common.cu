@@ -52,6 +52,7 @@ TEST(CudaPlan, EqualsHostPlan) {
     DecodePlanParams p;
     p.b = b;
     p.num_sm_parts = 1 + int(rng() % 132);
+    p.fixed_cost = 1 + (trial / 2) % kPlanFixedOverheadBlocks;  // every fixed cost, dense and sparse
     const bool sparse = trial % 2;
     if (sparse) {
       p.topk = 1 + int(rng() % 4096);
