@@ -16,6 +16,9 @@ struct DecodeSplit {
   const int32_t* num_splits = nullptr;               // [b + 1]
   float* o_accum = nullptr;    // [b + num_sm_parts, s_q, h_q, d_v], each partial normalised by its own sum
   float* lse_accum = nullptr;  // [b + num_sm_parts, s_q, h_q], log2 domain: log2(sum) + max; -inf if empty
+  // The plan is still to be made (tile_scheduler_metadata and num_splits are outputs): the call
+  // plans before it attends, in the attention kernel itself where that kernel can.
+  bool plan_fresh = false;
 };
 
 // Bytes of split workspace a decode call needs (o_accum then lse_accum, each 256-byte aligned).

@@ -163,26 +163,33 @@ MLA_HD long long plan_choose_width(long long w, unsigned unfit, int f) {
 }
 
 // A part with no piece (its units hold no block): begin_req = b. Every row starts as this one.
-MLA_HD void plan_idle_row(const DecodePlanParams& p, int part) {
+MLA_HD PlanRow plan_idle(int b) {
   PlanRow r;
-  r.begin_req = p.b, r.end_req = p.b - 1;
+  r.begin_req = b, r.end_req = b - 1;
   r.begin_block = r.end_block = r.begin_split = r.first_split = r.last_split = 0;
-  r.batch = p.b;
-  reinterpret_cast<PlanRow*>(p.tile_scheduler_metadata)[part] = r;
+  r.batch = b;
+  return r;
+}
+MLA_HD void plan_idle_row(const DecodePlanParams& p, int part) {
+  reinterpret_cast<PlanRow*>(p.tile_scheduler_metadata)[part] = plan_idle(p.b);
 }
 
 // Request i, starting at unit `start` of the line, with `blocks` = request_blocks(p, i): writes the
 // fields of the rows it begins or ends (every other field of those rows is written by the request
 // that begins or ends them, or is the idle row's) and returns its piece count. Rows start idle.
-MLA_HD int plan_request(const DecodePlanParams& p, int i, long long start, int blocks, long long w) {
+// With only_part >= 0 it writes that row alone, into *only_row (a decode CTA planning for itself).
+MLA_HD int plan_request(const DecodePlanParams& p, int i, long long start, int blocks, long long w,
+                        int only_part = -1, PlanRow* only_row = nullptr) {
   const int fixed = plan_fixed(p);
   const long long first = start + fixed, end = start + plan_units(blocks, fixed);  // its block units
   const int f = int(first / w), l = int((end - 1) / w);                    // its first and last part
   const bool opens = i == 0 || (start - 1) / w < f;      // the request before has no block in part f
   const bool closes = i == p.b - 1 || (end + fixed) / w > l;  // nor the one after in part l
   PlanRow* rows = reinterpret_cast<PlanRow*>(p.tile_scheduler_metadata);
-  for (int j = f; j <= l; ++j) {
-    PlanRow& r = rows[j];
+  const int j0 = only_part >= 0 ? (only_part > f ? only_part : f) : f;
+  const int j1 = only_part >= 0 ? (only_part < l ? only_part : l) : l;
+  for (int j = j0; j <= j1; ++j) {
+    PlanRow& r = only_part >= 0 ? *only_row : rows[j];
     const bool begins = j > f || opens, ends = j < l || closes;
     if (begins) {
       r.begin_req = i;
@@ -249,6 +256,9 @@ inline int num_sm_parts_sparse(int num_sms, int s_q, int h_q) {
 // Host planner: fills params.tile_scheduler_metadata and params.num_splits. Throws mla::Error when
 // a length is negative.
 void plan_decode_host(const DecodePlanParams& params);
+// The same plan's num_splits and row `part` alone, as an attention kernel planning for its own part
+// makes them (the other rows are left as they are).
+void plan_decode_host_part(const DecodePlanParams& params, int part);
 
 // Checks that a plan (possibly made by an earlier call) covers exactly the blocks of every request
 // of `params`, each request's pieces numbered 0..n-1 as num_splits says. Throws mla::Error naming

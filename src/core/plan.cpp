@@ -20,7 +20,9 @@ void check_lengths(const DecodePlanParams& p) {
 
 }  // namespace
 
-void plan_decode_host(const DecodePlanParams& p) {
+void plan_decode_host(const DecodePlanParams& p) { plan_decode_host_part(p, -1); }
+
+void plan_decode_host_part(const DecodePlanParams& p, int only_part) {
   check_lengths(p);
   std::vector<int> blocks(p.b);
   const int f = plan_fixed(p);
@@ -42,13 +44,16 @@ void plan_decode_host(const DecodePlanParams& p) {
     for (int part = 0; part < p.num_sm_parts; ++part)
       if (cost[size_t(c) * p.num_sm_parts + part] > w0 + f) unfit |= 1u << c;
   const long long w = plan_choose_width(w0, unfit, f);
-  for (int part = 0; part < p.num_sm_parts; ++part) plan_idle_row(p, part);
+  PlanRow row = plan_idle(p.b);  // row only_part, when that is all it makes
+  if (only_part < 0)
+    for (int part = 0; part < p.num_sm_parts; ++part) plan_idle_row(p, part);
   start = 0;
   p.num_splits[0] = 0;
   for (int i = 0; i < p.b; ++i) {
-    p.num_splits[i + 1] = p.num_splits[i] + plan_request(p, i, start, blocks[i], w);
+    p.num_splits[i + 1] = p.num_splits[i] + plan_request(p, i, start, blocks[i], w, only_part, &row);
     start += plan_units(blocks[i], f);
   }
+  if (only_part >= 0) reinterpret_cast<PlanRow*>(p.tile_scheduler_metadata)[only_part] = row;
 }
 
 void check_plan_matches(const DecodePlanParams& p) {

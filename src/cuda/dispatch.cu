@@ -17,6 +17,7 @@ template <typename Params>
 struct Implementation {
   ImplementationInfo info;
   cudaError_t (*run)(const Params&, cudaStream_t);
+  bool plans_itself = false;  // makes a fresh plan (split.plan_fresh) in its attention kernel
 };
 
 constexpr int kAnyNewer = 1000;
@@ -46,7 +47,7 @@ const std::vector<Implementation<DenseDecodeParams>> kDense = {
 };
 const std::vector<Implementation<SparseDecodeParams>> kSparse = {
 #if defined(MLA_KERNELS_WITH_SM90A)
-    {{"sm90_small", OpKind::kSparseDecode, 90, 90, kSparseSm90Small}, sm90_sparse_decode_small},
+    {{"sm90_small", OpKind::kSparseDecode, 90, 90, kSparseSm90Small}, sm90_sparse_decode_small, true},
     {{"sm90", OpKind::kSparseDecode, 90, 90, kSparseAll}, sm90_sparse_decode},
 #endif
     {{"portable", OpKind::kSparseDecode, 80, kAnyNewer, kSparseAll}, portable_sparse_decode},
@@ -97,10 +98,24 @@ std::vector<ImplementationInfo> infos_of(const std::vector<Implementation<Params
   return infos;
 }
 
+// A decode call that brought no plan gets one from the planner kernel first, unless its
+// implementation plans in its attention kernel (no kernel boundary between planning and work).
+cudaError_t plan_if_fresh(const DenseDecodeParams& p, cudaStream_t stream) {
+  return p.split.plan_fresh ? plan_decode(dense_plan_params(p), stream) : cudaSuccess;
+}
+cudaError_t plan_if_fresh(const SparseDecodeParams& p, cudaStream_t stream) {
+  return p.split.plan_fresh ? plan_decode(sparse_plan_params(p), stream) : cudaSuccess;
+}
+cudaError_t plan_if_fresh(const SparsePrefillParams&, cudaStream_t) { return cudaSuccess; }
+
 template <typename Params>
 cudaError_t run(const std::vector<Implementation<Params>>& table, OpKind op, const Params& p, cudaStream_t stream) {
   static const std::vector<ImplementationInfo> infos = infos_of(table);
   const int i = select_implementation(infos, op, device_arch(), required_features(p), forced_implementation());
+  if (!table[i].plans_itself) {
+    const cudaError_t err = plan_if_fresh(p, stream);
+    if (err != cudaSuccess) return err;
+  }
   return table[i].run(p, stream);
 }
 

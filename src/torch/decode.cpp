@@ -82,8 +82,9 @@ void plan_and_run(const char* op, Params& p, const Plan& plan, c10::Device devic
   fill_plan(pp, plan);
   if (device.is_cuda()) {
     const DeviceContext ctx(op, device);
-    if (plan.fresh) ctx.check(cuda_plan_decode(pp, ctx.stream()), "the planner");
     Workspace ws = make_workspace(p.b, p.s_q, p.h_q, plan, device, p.split);
+    // Planned by the call: by the planner kernel, or inside the attention kernel where it can.
+    p.split.plan_fresh = plan.fresh;
     run_core(op, [&] { ctx.check(cuda_kernel(p, ctx.stream()), "the attention kernel"); });
     return;
   }

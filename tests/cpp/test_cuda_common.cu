@@ -14,6 +14,7 @@
 #include "mla/formats.h"
 #include "mla/mla.h"
 #include "mla/reference.h"
+#include "../../src/cuda/common/plan_block.cuh"
 
 namespace mla {
 
@@ -88,6 +89,56 @@ TEST(CudaPlan, EqualsHostPlan) {
     EXPECT_EQ(to_host(d_rows, rows.size()), rows) << "trial " << trial;
     EXPECT_EQ(to_host(d_ns, ns.size()), ns) << "trial " << trial;
     for (void* ptr : {(void*)d_lens, (void*)d_topk, (void*)d_extra, (void*)d_rows, (void*)d_ns}) cudaFree(ptr);
+  }
+}
+
+// Every CTA plans for itself, as an attention kernel that plans in its prologue: 384 threads (the
+// small-heads sparse kernel's), two CTAs per part (s_q = 2) storing the same row.
+__global__ void self_plan_kernel(DecodePlanParams p) {
+  using Planner = cuda::BlockPlanner<384>;
+  __shared__ Planner::Scratch scratch;
+  extern __shared__ unsigned long long part_cost[];
+  Planner::run(p, int(blockIdx.x), scratch, part_cost);
+}
+
+TEST(CudaPlan, EachCtaMakesItsOwnRow) {
+  std::mt19937 rng(5);
+  for (int trial = 0; trial < 100; ++trial) {
+    const int b = trial == 0 ? 2000 : 1 + int(rng() % 700);  // trial 0: several rounds of 384
+    std::vector<int32_t> lens(b), topk_len(b);
+    for (auto& l : lens) l = rng() % 7 == 0 ? 0 : int(rng() % 20000);
+    DecodePlanParams p;
+    p.b = b;
+    p.num_sm_parts = 1 + int(rng() % 132);
+    p.fixed_cost = 1 + (trial / 2) % kPlanFixedOverheadBlocks;
+    const bool sparse = trial % 2;
+    if (sparse) {
+      p.topk = 1 + int(rng() % 2048);
+      for (auto& l : topk_len) l = int(rng() % (p.topk + 1));
+    }
+    std::vector<int32_t> rows(p.num_sm_parts * kPlanRowInts), ns(b + 1);
+    DecodePlanParams host = p;
+    if (sparse) host.topk_length = topk_len.data();
+    else host.seqlens_k = lens.data();
+    host.tile_scheduler_metadata = rows.data();
+    host.num_splits = ns.data();
+    plan_decode_host(host);
+
+    DecodePlanParams dev = host;
+    int32_t* d_len = to_device(sparse ? topk_len : lens);
+    int32_t* d_rows = to_device(std::vector<int32_t>(rows.size(), -9));
+    int32_t* d_ns = to_device(std::vector<int32_t>(ns.size(), -9));
+    dev.seqlens_k = sparse ? nullptr : d_len;
+    dev.topk_length = sparse ? d_len : nullptr;
+    dev.tile_scheduler_metadata = d_rows;
+    dev.num_splits = d_ns;
+    const size_t smem = cuda::BlockPlanner<384>::part_cost_bytes(p.num_sm_parts);
+    self_plan_kernel<<<dim3(unsigned(p.num_sm_parts), 2), 384, smem>>>(dev);
+    CUDA_OK(cudaGetLastError());
+    CUDA_OK(cudaDeviceSynchronize());
+    EXPECT_EQ(to_host(d_rows, rows.size()), rows) << "trial " << trial;
+    EXPECT_EQ(to_host(d_ns, ns.size()), ns) << "trial " << trial;
+    for (void* ptr : {(void*)d_len, (void*)d_rows, (void*)d_ns}) cudaFree(ptr);
   }
 }
 

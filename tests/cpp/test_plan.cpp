@@ -112,6 +112,41 @@ TEST(Plan, FewRowsUniformRequestsUseEveryPart) {
   EXPECT_EQ(sparse_plan_params(sp).fixed_cost, kPlanFixedOverheadBlocks);
 }
 
+TEST(Plan, EachPartAloneMakesTheSameRow) {
+  // An attention kernel that plans for itself makes num_splits and its own part's row only: on
+  // random dense and sparse batches that row and num_splits equal the whole plan's.
+  std::mt19937 rng(11);
+  for (int trial = 0; trial < 200; ++trial) {
+    const int b = 1 + int(rng() % 300);
+    std::vector<int32_t> lens(b);
+    for (auto& l : lens) l = rng() % 6 == 0 ? 0 : int(rng() % 9000);
+    DecodePlanParams p;
+    p.b = b;
+    p.num_sm_parts = 1 + int(rng() % 132);
+    p.fixed_cost = 1 + (trial / 2) % kPlanFixedOverheadBlocks;
+    if (trial % 2) {
+      p.topk = 1 + int(rng() % 2048);
+      p.topk_length = lens.data();
+      for (auto& l : lens) l %= p.topk + 1;
+    } else {
+      p.seqlens_k = lens.data();
+    }
+    const HostPlan whole = make_plan(p);
+    for (int part = 0; part < p.num_sm_parts; ++part) {
+      std::vector<int32_t> rows(p.num_sm_parts * kPlanRowInts, -5), ns(b + 1, -5);
+      DecodePlanParams own = p;
+      own.tile_scheduler_metadata = rows.data();
+      own.num_splits = ns.data();
+      plan_decode_host_part(own, part);
+      ASSERT_EQ(std::vector<int32_t>(rows.begin() + part * 8, rows.begin() + part * 8 + 8),
+                std::vector<int32_t>(whole.rows.begin() + part * 8, whole.rows.begin() + part * 8 + 8))
+          << "trial " << trial << " part " << part;
+      ASSERT_EQ(ns, whole.num_splits) << "trial " << trial;
+      if (part + 1 < p.num_sm_parts) ASSERT_EQ(rows[(part + 1) * 8], -5) << "other rows are left alone";
+    }
+  }
+}
+
 TEST(Plan, IdlePartsWhenThereIsLittleWork) {
   // One 1-block request over 6 parts: W = ceil(6 / 6) = 1, its block is unit 5, so part 5 runs it
   // whole and parts 0-4 are idle (begin_req = b).

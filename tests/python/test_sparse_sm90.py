@@ -8,6 +8,7 @@ parts)."""
 import pytest
 import torch
 
+import mla_kernels.flash_mla as flash_mla
 import reference as R
 from test_sparse_decode import build, check_sparse
 
@@ -70,3 +71,27 @@ def test_sparse_sharp_softmax(case, impl, monkeypatch):
     main, ex = build(fmt, b, s_q, s_k, topk, page, tl=tl, extra=extra, device="cuda")
     q = R.rand((b, s_q, h_q, R.FORMATS[fmt].d))
     check_sparse(q, main, ex, R.make_sink(h_q, sink_mode), scale, device="cuda")
+
+
+@pytest.mark.parametrize("h_q,s_q,b", [(16, 1, 100), (32, 2, 37), (16, 1, 300)])
+def test_small_heads_kernel_makes_the_planners_plan(h_q, s_q, b, monkeypatch):
+    """With a fresh plan the small-heads kernel plans inside its CTAs (no planner kernel): the rows
+    and num_splits it stores are those the planner kernel makes for the portable path, with the
+    same part count, and a later call reusing them gives the same bits."""
+    main, ex = build("model1", b, s_q, 2000, 512, 64, tl=True, extra=(300, 256, 64, True), device="cuda")
+    q = R.rand((b, s_q, h_q, 512)).cuda()
+    args = dict(is_fp8_kvcache=True, indices=main.indices.cuda(), topk_length=main.topk_length.cuda(),
+                extra_k_cache=ex.kv8.cuda(), extra_indices_in_kvcache=ex.indices.cuda(),
+                extra_topk_length=ex.topk_length.cuda())
+    kv8 = main.kv8.cuda()
+    monkeypatch.delenv("MLA_KERNELS_IMPL", raising=False)
+    own, _ = flash_mla.get_mla_metadata()
+    out, lse = flash_mla.flash_mla_with_kvcache(q, kv8, None, None, 512, own, **args)
+    monkeypatch.setenv("MLA_KERNELS_IMPL", "portable")
+    planned, _ = flash_mla.get_mla_metadata()
+    flash_mla.flash_mla_with_kvcache(q, kv8, None, None, 512, planned, **args)
+    assert torch.equal(own.tile_scheduler_metadata, planned.tile_scheduler_metadata)
+    assert torch.equal(own.num_splits, planned.num_splits)
+    monkeypatch.delenv("MLA_KERNELS_IMPL", raising=False)
+    again = flash_mla.flash_mla_with_kvcache(q, kv8, None, None, 512, own, **args)
+    assert torch.equal(out, again[0]) and torch.equal(lse, again[1])
