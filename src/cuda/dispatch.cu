@@ -40,15 +40,15 @@ constexpr uint32_t kSparseSm90Small = kSparseAll & ~kAnyRows;
 
 const std::vector<Implementation<DenseDecodeParams>> kDense = {
 #if defined(MLA_KERNELS_WITH_SM90A)
-    {{"sm90_small", OpKind::kDenseDecode, 90, 90, kDenseSm90Small}, sm90_dense_decode_small},
-    {{"sm90", OpKind::kDenseDecode, 90, 90, kDenseSm90}, sm90_dense_decode},
+    {{"sm90_small", OpKind::kDenseDecode, 90, 90, kDenseSm90Small}, sm90_dense_decode_small, true},
+    {{"sm90", OpKind::kDenseDecode, 90, 90, kDenseSm90}, sm90_dense_decode, true},
 #endif
     {{"portable", OpKind::kDenseDecode, 80, kAnyNewer, kDenseAll}, portable_dense_decode},
 };
 const std::vector<Implementation<SparseDecodeParams>> kSparse = {
 #if defined(MLA_KERNELS_WITH_SM90A)
     {{"sm90_small", OpKind::kSparseDecode, 90, 90, kSparseSm90Small}, sm90_sparse_decode_small, true},
-    {{"sm90", OpKind::kSparseDecode, 90, 90, kSparseAll}, sm90_sparse_decode},
+    {{"sm90", OpKind::kSparseDecode, 90, 90, kSparseAll}, sm90_sparse_decode, true},
 #endif
     {{"portable", OpKind::kSparseDecode, 80, kAnyNewer, kSparseAll}, portable_sparse_decode},
 };
@@ -98,25 +98,37 @@ std::vector<ImplementationInfo> infos_of(const std::vector<Implementation<Params
   return infos;
 }
 
-// A decode call that brought no plan gets one from the planner kernel first, unless its
-// implementation plans in its attention kernel (no kernel boundary between planning and work).
-cudaError_t plan_if_fresh(const DenseDecodeParams& p, cudaStream_t stream) {
-  return p.split.plan_fresh ? plan_decode(dense_plan_params(p), stream) : cudaSuccess;
+// A decode call that brought no plan gets one from the planner kernel first (and then has one),
+// unless its implementation plans in its attention kernel (no kernel boundary between planning and
+// work): those kernels keep the planner's part costs in a key buffer (64 KB at least), which
+// holds them for up to this many parts (far more than SMs).
+constexpr int kSelfPlanMaxParts = 65536 / (kPlanWidthChoices * 8);
+cudaError_t plan_if_fresh(DecodeSplit& split, const DecodePlanParams& pp, cudaStream_t stream) {
+  if (!split.plan_fresh) return cudaSuccess;
+  split.plan_fresh = false;
+  return plan_decode(pp, stream);
 }
-cudaError_t plan_if_fresh(const SparseDecodeParams& p, cudaStream_t stream) {
-  return p.split.plan_fresh ? plan_decode(sparse_plan_params(p), stream) : cudaSuccess;
+cudaError_t plan_if_fresh(DenseDecodeParams& p, cudaStream_t stream) {
+  return plan_if_fresh(p.split, dense_plan_params(p), stream);
 }
-cudaError_t plan_if_fresh(const SparsePrefillParams&, cudaStream_t) { return cudaSuccess; }
+cudaError_t plan_if_fresh(SparseDecodeParams& p, cudaStream_t stream) {
+  return plan_if_fresh(p.split, sparse_plan_params(p), stream);
+}
+cudaError_t plan_if_fresh(SparsePrefillParams&, cudaStream_t) { return cudaSuccess; }
+int parts_of(const DenseDecodeParams& p) { return p.split.num_sm_parts; }
+int parts_of(const SparseDecodeParams& p) { return p.split.num_sm_parts; }
+int parts_of(const SparsePrefillParams&) { return 0; }
 
 template <typename Params>
 cudaError_t run(const std::vector<Implementation<Params>>& table, OpKind op, const Params& p, cudaStream_t stream) {
   static const std::vector<ImplementationInfo> infos = infos_of(table);
   const int i = select_implementation(infos, op, device_arch(), required_features(p), forced_implementation());
-  if (!table[i].plans_itself) {
-    const cudaError_t err = plan_if_fresh(p, stream);
+  Params call = p;
+  if (!table[i].plans_itself || parts_of(call) > kSelfPlanMaxParts) {
+    const cudaError_t err = plan_if_fresh(call, stream);
     if (err != cudaSuccess) return err;
   }
-  return table[i].run(p, stream);
+  return table[i].run(call, stream);
 }
 
 }  // namespace

@@ -146,3 +146,25 @@ def test_sharp_softmax(seqlens, s_q, h_q, causal, dtype, d, scale, impl, monkeyp
     paged = R.make_dense_paged(seqlens, 64, 1, d, dtype)
     q = R.rand((len(seqlens), s_q, h_q, d), dtype)
     check(q, paged, causal, scale, impl, monkeypatch)
+
+
+@pytest.mark.parametrize("h_q,s_q", [(16, 1), (32, 1), (128, 1), (64, 2)])
+def test_hopper_kernels_make_the_planners_plan(h_q, s_q, monkeypatch):
+    """With a fresh plan the Hopper kernels plan inside their CTAs, with no planner kernel: the rows
+    and num_splits they store are those the planner kernel makes for the portable path, and a later
+    call reusing them gives the same bits."""
+    seqlens = [(i * 977) % 5000 for i in range(90)]
+    paged = R.make_dense_paged(seqlens, 64, 1, 576, torch.bfloat16)
+    q = R.rand((len(seqlens), s_q, h_q, 576), torch.bfloat16).cuda()
+    kc, bt, sl = paged.k_cache.cuda(), paged.block_table.cuda(), paged.cache_seqlens.cuda()
+    monkeypatch.delenv("MLA_KERNELS_IMPL", raising=False)
+    own, _ = flash_mla.get_mla_metadata()
+    out, lse = flash_mla.flash_mla_with_kvcache(q, kc, bt, sl, 512, own, causal=s_q > 1)
+    monkeypatch.setenv("MLA_KERNELS_IMPL", "portable")
+    planned, _ = flash_mla.get_mla_metadata()
+    flash_mla.flash_mla_with_kvcache(q, kc, bt, sl, 512, planned, causal=s_q > 1)
+    assert torch.equal(own.tile_scheduler_metadata, planned.tile_scheduler_metadata)
+    assert torch.equal(own.num_splits, planned.num_splits)
+    monkeypatch.delenv("MLA_KERNELS_IMPL", raising=False)
+    again = flash_mla.flash_mla_with_kvcache(q, kc, bt, sl, 512, own, causal=s_q > 1)
+    assert torch.equal(out, again[0]) and torch.equal(lse, again[1])

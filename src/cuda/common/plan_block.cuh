@@ -37,6 +37,13 @@ struct BlockPlanner {
     return size_t(kPlanWidthChoices) * size_t(num_sm_parts) * sizeof(unsigned long long);
   }
 
+  // An attention kernel's prologue with a fresh plan: plans for `part` with its (not yet used) key
+  // buffers as scratch, `scratch` for Scratch and `costs` for the part costs (64 KB at least: the
+  // dispatcher plans elsewhere for more parts than that holds). The caller synchronises after.
+  __device__ static void run_in(const DecodePlanParams& p, int part, void* scratch, void* costs) {
+    run(p, part, *reinterpret_cast<Scratch*>(scratch), reinterpret_cast<unsigned long long*>(costs));
+  }
+
   // Plans p: num_splits and every row (only_part < 0) or row only_part alone (made in shared memory
   // and stored once with its final values, so that CTAs of one part, which store the same row,
   // never expose an idle or half-made one to each other). Every thread of the CTA calls it; the

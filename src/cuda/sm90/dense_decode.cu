@@ -54,6 +54,7 @@
 #include <type_traits>
 
 #include "../common/decode_io.cuh"
+#include "../common/plan_block.cuh"
 #include "../common/smem_limit.h"
 #include "../implementations.h"
 #include "common.cuh"
@@ -174,6 +175,13 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_kernel(const __grid_
   // Launched as a programmatic dependent of the planner: everything above overlapped its tail;
   // the plan (and anything else the stream wrote before) is read only after this.
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
+  if (p.split.plan_fresh) {
+    // The call brought no plan: every CTA makes it (its own part's row, and num_splits: the same
+    // values from every CTA) before anything reads it, with its key buffers as scratch.
+    static_assert(sizeof(typename BlockPlanner<kThreads>::Scratch) <= sizeof(sm.k[0]), "scratch fits a buffer");
+    BlockPlanner<kThreads>::run_in(plan, part, sm.k[0], sm.k[1]);
+    __syncthreads();
+  }
 
   uint32_t rounds[2] = {0, 0};  // loads issued into each buffer so far (mbarrier phases)
   const int num_pieces = decode_io::num_pieces(p.split, p.b, part);

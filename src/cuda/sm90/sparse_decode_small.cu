@@ -120,10 +120,8 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_small_kernel(const 
     // The call brought no plan: every CTA makes it, storing its own part's row and num_splits (the
     // same values from every CTA), before anything reads the plan; the key buffers, empty until the
     // producers start, are the planner's scratch. No planner kernel runs before this one.
-    using Planner = BlockPlanner<kThreads>;
-    static_assert(sizeof(typename Planner::Scratch) <= sizeof(sm.k[0]), "the planner's scratch fits a key buffer");
-    Planner::run(plan, part, *reinterpret_cast<typename Planner::Scratch*>(sm.k[0]),
-                 reinterpret_cast<unsigned long long*>(sm.k[1]));
+    static_assert(sizeof(typename BlockPlanner<kThreads>::Scratch) <= sizeof(sm.k[0]), "scratch fits a buffer");
+    BlockPlanner<kThreads>::run_in(plan, part, sm.k[0], sm.k[1]);
     __syncthreads();
   }
 
@@ -265,18 +263,9 @@ cudaError_t launch(const SparseDecodeParams& p, cudaStream_t stream) {
 
 }  // namespace sm90_sparse_small
 
-cudaError_t sm90_sparse_decode_small(const SparseDecodeParams& params, cudaStream_t stream) {
-  if (params.h_q > 32) return cudaErrorInvalidValue;  // the dispatch never sends more (kFeatHeadsOver32)
+cudaError_t sm90_sparse_decode_small(const SparseDecodeParams& p, cudaStream_t stream) {
+  if (p.h_q > 32) return cudaErrorInvalidValue;  // the dispatch never sends more (kFeatHeadsOver32)
   using namespace sm90_sparse_small;
-  SparseDecodeParams p = params;
-  // The kernel plans a fresh plan itself when the planner's part costs fit a key buffer (a part per
-  // SM: always); otherwise the planner kernel runs first.
-  if (p.split.plan_fresh &&
-      BlockPlanner<kThreads>::part_cost_bytes(p.split.num_sm_parts) > size_t(8) * kTileBytes) {
-    const cudaError_t planned = plan_decode(sparse_plan_params(p), stream);
-    if (planned != cudaSuccess) return planned;
-    p.split.plan_fresh = false;
-  }
   cudaError_t err;
   if (p.format == KvFormat::kV32)
     err = p.h_q <= 16 ? launch<KvFormat::kV32, 16>(p, stream) : launch<KvFormat::kV32, 32>(p, stream);
