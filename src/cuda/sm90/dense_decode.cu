@@ -172,8 +172,9 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_kernel(const __grid_
     fence_barrier_init();
   }
   __syncthreads();
-  // Launched as a programmatic dependent of the planner: everything above overlapped its tail;
-  // the plan (and anything else the stream wrote before) is read only after this.
+  // Launched as a programmatic dependent of the kernel before it (the planner, or the previous
+  // work on the stream when this kernel plans): everything above overlapped its tail; the plan and
+  // anything else the stream wrote before are read only after this.
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
   if (p.split.plan_fresh) {
     // The call brought no plan: every CTA makes it (its own part's row, and num_splits: the same
