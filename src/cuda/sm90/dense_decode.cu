@@ -25,8 +25,9 @@
 //   * the tail of a request's last page past its length is zeroed in shared memory by the
 //     warpgroup about to multiply that half of V (P is 0 there, 0 * NaN is not); invalid
 //     block-table entries load as zeros (out-of-bounds TMA box) and their keys are masked;
-//   * the kernel is a programmatic dependent of the planner (its setup overlaps the planner's
-//     tail) and the combine kernel one of it;
+//   * with a fresh plan every CTA first plans its own part (plan_block.cuh; no planner kernel
+//     runs before it); the kernel is a programmatic dependent of the kernel before it and the
+//     combine kernel one of it;
 //   * epilogue: whole pieces write out/lse, split pieces fp32 partials.
 // Tile sizes: BLOCK_M 64 rows, 64 keys per block, 64 x 64 TMA tiles (128-byte swizzle), two key
 // buffers; wgmma m64n64k16 (S, both operands in shared memory) and m64n256k16 (P V, P from

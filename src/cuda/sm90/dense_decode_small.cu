@@ -18,7 +18,8 @@
 //   * the V tail of a request's last page is zeroed before use; invalid block-table entries load as
 //     zeros (out-of-bounds TMA box) and are masked;
 //   * epilogue: O^T / l to out / lse, or fp32 partials for the combine kernel (programmatic
-//     dependent launch).
+//     dependent launch);
+//   * with a fresh plan every CTA first plans its own part (plan_block.cuh; no planner kernel).
 // Tile sizes: 64-key blocks, N = 16 or 32 rows, two key buffers (144 KB at D = 576) + Q (18 / 36 KB).
 // Reached on an H200 (bench/RESULTS.md, whole API call): dense b=128 h_q=16 s_k=8192 307.9 us =
 // 92.1% of the copy ceiling (FlashMLA, which pads the rows to 64: 315.1 us in the same run, 1.02x),

@@ -29,7 +29,9 @@
 //     with the previous block's ("P free"), and warpgroup 1 multiplies once they are written ("P
 //     ready"); every consumer warp returns a buffer to the producers once its product is done;
 //   * epilogue: O / (l + exp2(sink - m)) to out / lse for whole pieces, fp32 partials for split
-//     ones (the combine kernel applies the sink), each warpgroup its 256 columns.
+//     ones (the combine kernel applies the sink), each warpgroup its 256 columns;
+//   * with a fresh plan every CTA first plans its own part (plan_block.cuh; no planner kernel),
+//     the two CTAs of a cluster before either stores into the other's buffers.
 // Tile sizes: 64 heads, 64-token blocks, two bf16 key buffers (144 KB at d_qk 576) + Q (72 KB) +
 // P (8 KB); wgmma m64n64k16 (S) and m64n256k16 (P V).
 // Reached on an H200 (bench/RESULTS.md, whole API call, FlashMLA in the same run): V3.2 b=128

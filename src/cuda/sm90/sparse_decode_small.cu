@@ -18,7 +18,8 @@
 //     shared memory); P (N x 64) to shared memory; O^T (512 x N) += V^T P^T with V read transposed
 //     from the buffer;
 //   * epilogue: O^T / (l + exp2(sink - m)) to out / lse for whole pieces, fp32 partials for split
-//     ones (the combine kernel applies the sink).
+//     ones (the combine kernel applies the sink);
+//   * with a fresh plan every CTA first plans its own part (plan_block.cuh; no planner kernel).
 // Tile sizes: 64-token blocks, N = 16 or 32 heads, two bf16 key buffers (144 KB at d_qk 576) + Q.
 // Reached on an H200 (bench/RESULTS.md, whole API call, FlashMLA padded to 64 heads in the same
 // run): V3.2 b=128 h_q=16 topk 2048 87.6-91.3 us (FlashMLA 152.6-154.3 us, 1.67-1.76x; 77 us with
