@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "common/plan_block.cuh"
 #include "implementations.h"
 #include "mla/dispatch.h"
 
@@ -100,9 +101,9 @@ std::vector<ImplementationInfo> infos_of(const std::vector<Implementation<Params
 
 // A decode call that brought no plan gets one from the planner kernel first (and then has one),
 // unless its implementation plans in its attention kernel (no kernel boundary between planning and
-// work): those kernels keep the planner's part costs in a key buffer (64 KB at least), which
-// holds them for up to this many parts (far more than SMs).
-constexpr int kSelfPlanMaxParts = 65536 / (kPlanWidthChoices * 8);
+// work): those kernels keep the planner's part costs in a key buffer, which holds them for up to
+// kPlanMaxPartsIn64KB parts (far more than SMs).
+constexpr int kSelfPlanMaxParts = kPlanMaxPartsIn64KB;
 cudaError_t plan_if_fresh(DecodeSplit& split, const DecodePlanParams& pp, cudaStream_t stream) {
   if (!split.plan_fresh) return cudaSuccess;
   split.plan_fresh = false;

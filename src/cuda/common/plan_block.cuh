@@ -17,6 +17,10 @@
 
 namespace mla::cuda {
 
+// Parts whose costs fit 64 KB (the smallest key buffer of the attention kernels that plan in it):
+// more than any GPU has SMs. The dispatcher plans elsewhere beyond it; the kernels check it.
+constexpr int kPlanMaxPartsIn64KB = 65536 / (kPlanWidthChoices * 8);
+
 template <int kThreads>
 struct BlockPlanner {
   using Reduce = cub::BlockReduce<long long, kThreads>;
@@ -38,10 +42,12 @@ struct BlockPlanner {
   }
 
   // An attention kernel's prologue with a fresh plan: plans for `part` with its (not yet used) key
-  // buffers as scratch, `scratch` for Scratch and `costs` for the part costs (64 KB at least: the
-  // dispatcher plans elsewhere for more parts than that holds). The caller synchronises after.
+  // buffers as scratch, `scratch` for Scratch and `costs` for the part costs (64 KB at least: at
+  // most kPlanMaxPartsIn64KB parts). Ends with the proxy fence (TMA or a peer's bulk copies write
+  // the same bytes next); the caller synchronises after.
   __device__ static void run_in(const DecodePlanParams& p, int part, void* scratch, void* costs) {
     run(p, part, *reinterpret_cast<Scratch*>(scratch), reinterpret_cast<unsigned long long*>(costs));
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
   }
 
   // Plans p: num_splits and every row (only_part < 0) or row only_part alone (made in shared memory

@@ -471,6 +471,9 @@ cudaError_t launch(const DenseDecodeParams& p, cudaStream_t stream) {
 }  // namespace sm90
 
 cudaError_t sm90_dense_decode(const DenseDecodeParams& p, cudaStream_t stream) {
+  // A fresh plan is made in the kernel, its part costs in a key buffer (the dispatcher sends more
+  // parts than that holds to the planner kernel first).
+  if (p.split.plan_fresh && p.split.num_sm_parts > kPlanMaxPartsIn64KB) return cudaErrorInvalidValue;
   cudaError_t err;
   const bool d576 = p.d_qk == kHeadDimV32;
   if (p.dtype == DType::kFP16)

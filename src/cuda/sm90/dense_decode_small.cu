@@ -230,6 +230,9 @@ cudaError_t launch_for_dim(const DenseDecodeParams& p, cudaStream_t stream) {
 }  // namespace sm90_small
 
 cudaError_t sm90_dense_decode_small(const DenseDecodeParams& p, cudaStream_t stream) {
+  // A fresh plan is made in the kernel, its part costs in a key buffer (the dispatcher sends more
+  // parts than that holds to the planner kernel first).
+  if (p.split.plan_fresh && p.split.num_sm_parts > kPlanMaxPartsIn64KB) return cudaErrorInvalidValue;
   const int rows = p.s_q * (p.h_q / p.h_k);
   if (rows > 32) return cudaErrorInvalidValue;  // the dispatch never sends more (kFeatHeadsOver32)
   cudaError_t err;

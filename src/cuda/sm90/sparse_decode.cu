@@ -441,6 +441,9 @@ cudaError_t launch_for_heads(const SparseDecodeParams& p, cudaStream_t stream) {
 }  // namespace sm90_sparse
 
 cudaError_t sm90_sparse_decode(const SparseDecodeParams& p, cudaStream_t stream) {
+  // A fresh plan is made in the kernel, its part costs in a key buffer (the dispatcher sends more
+  // parts than that holds to the planner kernel first).
+  if (p.split.plan_fresh && p.split.num_sm_parts > kPlanMaxPartsIn64KB) return cudaErrorInvalidValue;
   const cudaError_t err = p.format == KvFormat::kV32 ? sm90_sparse::launch_for_heads<KvFormat::kV32>(p, stream)
                                                      : sm90_sparse::launch_for_heads<KvFormat::kModel1>(p, stream);
   if (err != cudaSuccess) return err;

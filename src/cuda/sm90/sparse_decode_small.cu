@@ -265,6 +265,9 @@ cudaError_t launch(const SparseDecodeParams& p, cudaStream_t stream) {
 }  // namespace sm90_sparse_small
 
 cudaError_t sm90_sparse_decode_small(const SparseDecodeParams& p, cudaStream_t stream) {
+  // A fresh plan is made in the kernel, its part costs in a key buffer (the dispatcher sends more
+  // parts than that holds to the planner kernel first).
+  if (p.split.plan_fresh && p.split.num_sm_parts > kPlanMaxPartsIn64KB) return cudaErrorInvalidValue;
   if (p.h_q > 32) return cudaErrorInvalidValue;  // the dispatch never sends more (kFeatHeadsOver32)
   using namespace sm90_sparse_small;
   cudaError_t err;
