@@ -93,6 +93,26 @@ def test_long_sequences_split_across_parts(h_q, impl, monkeypatch):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("h_q,s_q,causal,aligned_q", [(128, 1, False, True), (64, 2, True, True),
+                                                      (128, 1, False, False), (16, 1, False, True)])
+def test_many_pieces_per_part(h_q, s_q, causal, aligned_q, impl, monkeypatch):
+    """Many short requests: each plan part runs several pieces back to back, so a CTA reuses its
+    buffers and barriers across pieces. Pieces of 0, 1, 2 and more blocks, whole and partial last
+    pages, in many orders; query rows 577 elements apart (not 16-byte aligned) take the element-wise
+    staging."""
+    cycle = [0, 1, 37, 64, 65, 100, 128, 129, 190, 256, 300, 700]
+    seqlens = [cycle[(7 * i + i // 12) % len(cycle)] for i in range(300)]
+    paged = R.make_dense_paged(seqlens, 64, 1, 576, torch.bfloat16)
+    shape = (len(seqlens), s_q, h_q, 576)
+    q = R.rand(shape, torch.bfloat16)
+    if not aligned_q:
+        wide = torch.full(shape[:-1] + (577,), float("nan"), dtype=torch.bfloat16)
+        wide[..., :576] = q
+        q = wide[..., :576]
+    check(q, paged, causal, 576 ** -0.5, impl, monkeypatch)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("h_q", [16, 64])
 def test_invalid_block_table_entries_are_masked(h_q, impl, monkeypatch):
     """A block-table entry inside a sequence that names no page of the cache (negative or past the
