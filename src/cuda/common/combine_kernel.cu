@@ -1,10 +1,13 @@
 // Split combine: merges the fp32 partials of every split request into out / lse
 // (reference/flashmla-semantics.md §5.3), folding the attention sink into the normaliser.
 //
-// Grid (b * s_q, ceil(h_q / 8)), 256 threads: one warp per (request, query row, head). The lanes
-// reduce the split lse values (any number of splits: no compiled maximum), then each lane owns 16
-// of the 512 output columns as four float4 and accumulates the weighted partials. Requests with a
-// single piece were written by the attention kernel and are skipped.
+// Grid (b * s_q, ceil(h_q / 4), 4), 128 threads: one warp per (request, query row, head, quarter of
+// the 512 output columns), so that a batch of a few long requests (b = 1, 128 heads, 132 splits:
+// 35 MB of partials) still spreads its reads over every SM. The lanes reduce the split lse values
+// (any number of splits: no compiled maximum) and each lane computes the weight of one split in
+// every 32; then each lane owns one float4 of the quarter and accumulates the weighted partials,
+// eight splits' loads in flight at a time, in split order. Requests with a single piece were
+// written by the attention kernel and are skipped.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -17,10 +20,12 @@ namespace mla::cuda {
 namespace {
 
 constexpr int kWarpSize = 32;
-constexpr int kHeadsPerCta = 8;
+constexpr int kHeadsPerCta = 4;
 constexpr int kThreads = kHeadsPerCta * kWarpSize;
-constexpr int kVecPerLane = kHeadDimV / 4 / kWarpSize;  // float4 columns per lane
+constexpr int kColumnGroups = kHeadDimV / (4 * kWarpSize);  // a warp's lanes own one float4 each
 static_assert(kHeadDimV % (4 * kWarpSize) == 0, "each lane owns whole float4 columns of d_v");
+constexpr int kSplitsInFlight = 8;  // partial rows loaded before the first is accumulated
+static_assert(kWarpSize % kSplitsInFlight == 0, "a batch of loads never crosses a 32-split round");
 
 __device__ __forceinline__ float warp_max(float v) {
   for (int o = kWarpSize / 2; o > 0; o /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
@@ -64,24 +69,31 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(CombineParams p) {
   for (int k = lane; k < n; k += kWarpSize) sum += exp2f(p.split.lse_accum[row(k)] - m);
   sum = warp_sum(sum);
   float g = sum == 0.f ? INFINITY : log2f(sum) + m;
-  if (lane == 0) p.o.lse[i * p.o.lse_stride_b + s * p.o.lse_stride_s + h * p.o.lse_stride_h] = g * kLn2;
+  if (lane == 0 && blockIdx.z == 0) p.o.lse[i * p.o.lse_stride_b + s * p.o.lse_stride_s + h * p.o.lse_stride_h] = g * kLn2;
   // Fold the sink into the normaliser: g = log2(2^g + 2^sink2).
   const float sink2 = p.attn_sink ? p.attn_sink[h] * kLog2e : -INFINITY;
   g = g != INFINITY ? g + log2f(1.f + exp2f(sink2 - g)) : (sink2 == -INFINITY ? INFINITY : sink2);
 
-  float4 acc[kVecPerLane];
-  for (int j = 0; j < kVecPerLane; ++j) acc[j] = make_float4(0.f, 0.f, 0.f, 0.f);
-  for (int k = 0; k < n; ++k) {
-    const float w = exp2f(p.split.lse_accum[row(k)] - g);
-    if (w == 0.f) continue;
-    const float4* src = reinterpret_cast<const float4*>(p.split.o_accum + row(k) * kHeadDimV);
-    for (int j = 0; j < kVecPerLane; ++j) {
-      const float4 v = src[lane + j * kWarpSize];
-      acc[j].x += w * v.x, acc[j].y += w * v.y, acc[j].z += w * v.z, acc[j].w += w * v.w;
+  const int col = (blockIdx.z * kWarpSize + lane) * 4;
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int base = 0; base < n; base += kWarpSize) {
+    const int count = min(n - base, kWarpSize);
+    const float lane_w = lane < count ? exp2f(p.split.lse_accum[row(base + lane)] - g) : 0.f;
+    for (int k0 = 0; k0 < count; k0 += kSplitsInFlight) {
+      float4 v[kSplitsInFlight];
+#pragma unroll
+      for (int u = 0; u < kSplitsInFlight; ++u)
+        if (k0 + u < count) v[u] = *reinterpret_cast<const float4*>(p.split.o_accum + row(base + k0 + u) * kHeadDimV + col);
+#pragma unroll
+      for (int u = 0; u < kSplitsInFlight; ++u) {
+        const float w = __shfl_sync(0xffffffffu, lane_w, k0 + u);
+        // A split of weight 0 (no key, lse -inf) adds nothing, whatever its partial row holds.
+        if (k0 + u < count && w != 0.f) acc.x += w * v[u].x, acc.y += w * v[u].y, acc.z += w * v[u].z, acc.w += w * v[u].w;
+      }
     }
   }
   OutT* out = static_cast<OutT*>(p.o.out) + i * p.o.out_stride_b + s * p.o.out_stride_s + h * p.o.out_stride_h;
-  for (int j = 0; j < kVecPerLane; ++j) store4(out + (lane + j * kWarpSize) * 4, acc[j]);
+  store4(out + col, acc);
 }
 
 }  // namespace
@@ -89,7 +101,8 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(CombineParams p) {
 cudaError_t combine(const CombineParams& p, cudaStream_t stream, bool pdl) {
   if (p.b <= 0 || p.s_q <= 0 || p.h_q <= 0 || p.d_v != kHeadDimV) return cudaErrorInvalidValue;
   cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(unsigned(p.b) * unsigned(p.s_q), unsigned((p.h_q + kHeadsPerCta - 1) / kHeadsPerCta), 1);
+  config.gridDim = dim3(unsigned(p.b) * unsigned(p.s_q), unsigned((p.h_q + kHeadsPerCta - 1) / kHeadsPerCta),
+                         unsigned(kColumnGroups));
   config.blockDim = dim3(kThreads, 1, 1);
   config.stream = stream;
   cudaLaunchAttribute attr[1];
