@@ -1,7 +1,9 @@
 """Benchmark of whole API calls (planner + attention + combine) on the GPU, next to a plain PyTorch
 implementation of the same call.
 
-Timing as ANCHORS.md: each call captured 10 times in one CUDA graph, median of 20 replays.
+Timing as ANCHORS.md: each call captured 10 times in one CUDA graph, median of 20 replays. With
+--flashmla both libraries' graphs are captured first and their replays alternate, so that the
+card's clocks and temperature weigh on both alike.
 FLOPs = 2 * h_q * s_q * sum(attended keys) * (d_qk + d_v); bytes = q + attended KV (each token once:
 2*576 B dense, 656 B V3.2, 584 B MODEL1) + out. Fractions are of the card's measured ceilings.
 
@@ -30,7 +32,8 @@ COPY_GBPS = 4274.0  # H200 device-to-device copy, bytes read + written (ANCHORS.
 MATMUL_TFLOPS = 778.0  # H200 bf16 8192^3 through cuBLAS (ANCHORS.md)
 
 
-def time_call(fn, calls=10, replays=20):
+def capture(fn, calls=10):
+    """A CUDA graph of `calls` calls of fn, after one warm-up call on a side stream."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -42,15 +45,26 @@ def time_call(fn, calls=10, replays=20):
             fn()
     graph.replay()
     torch.cuda.synchronize()
-    times = []
+    return graph
+
+
+def time_graphs(graphs, calls=10, replays=20):
+    """Median microseconds per call of each graph, the graphs' replays taken in turn (A B A B ...)
+    so that clocks, power and temperature weigh on each alike."""
+    times = [[] for _ in graphs]
     for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / calls * 1e3)  # microseconds per call
-    return statistics.median(times)
+        for graph, t in zip(graphs, times):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            t.append(start.elapsed_time(end) / calls * 1e3)
+    return [statistics.median(t) for t in times]
+
+
+def time_call(fn, calls=10, replays=20):
+    return time_graphs([capture(fn, calls)], calls, replays)[0]
 
 
 REUSE_PLAN = False  # --reuse-plan
@@ -274,22 +288,25 @@ def main():
         seed = zlib.crc32(name.encode())
         torch.manual_seed(seed)  # both libraries get the same inputs
         ours, plain, flops, bytes_ = CASES[name]()
-        t_fm = float("nan")
+        t_fm, g_fm = float("nan"), None
         if fm:
             torch.manual_seed(seed)
             try:
                 theirs, _, _, _ = CASES[name](api=fm)
-                t_fm = time_call(theirs)
-                del theirs
+                g_fm = capture(theirs)
             except (AttributeError, RuntimeError, AssertionError) as e:  # a call FlashMLA does not offer
                 print(f"# FlashMLA {name}: {type(e).__name__}: {str(e).splitlines()[0][:100]}")
-            torch.cuda.empty_cache()
         for k, impl in enumerate(impls):
             if impl == "default":
                 os.environ.pop("MLA_KERNELS_IMPL", None)
             else:
                 os.environ["MLA_KERNELS_IMPL"] = impl
-            t = time_call(ours)
+            if k == 0 and g_fm is not None:  # FlashMLA's replays alternate with ours
+                t_fm, t = time_graphs([g_fm, capture(ours)])
+                del g_fm, theirs
+                torch.cuda.empty_cache()
+            else:
+                t = time_call(ours)
             t_torch = float("nan")
             if k == 0 and plain is not None and not args.no_torch:
                 try:
