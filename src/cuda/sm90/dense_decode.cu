@@ -32,15 +32,18 @@
 // Tile sizes: BLOCK_M 64 rows, 64 keys per block, 64 x 64 TMA tiles (128-byte swizzle), two key
 // buffers; wgmma m64n64k16 (S, both operands in shared memory) and m64n256k16 (P V, P from
 // registers for the own block, from shared memory for the other warpgroup's).
-// Reached on an H200 (bench/RESULTS.md, whole API call, FlashMLA timed in the same run): dense
-// b=128 h_q=128 s_k=4096 varlen 304.9 us = 453 TFLOPS (58% of the matmul ceiling; FlashMLA 257.8
-// us, 0.85x; 270 us with the plan reused), s_q=2 causal s_k=8192 947.7 us (837.6, 0.88x), b=2
-// s_k=65536 97.1 us (88.2, 0.91x), b=8 s_k=1024 29.5 us (34.0, 1.15x). (h_q=16 goes to the
-// small-rows kernel.) Steps: the softmax's exp2 in one MUFU (exp2_ftz) 356 -> 326 us; wgmma
-// descriptors at constant offsets from two bases, the per-key mask as one compare against a
-// per-row threshold, the lazy running max and O rescales skipped by a warp vote 326 -> 314 us
-// (s_q=2 1071 -> 985); Q staged with one address per row rather than per chunk, and steady pairs
-// without the per-key mask (P = exp2(S scale - m) in one FFMA + MUFU) 284 -> 270 us plan reused.
+// Reached on an H200 (bench/RESULTS.md, whole API call, FlashMLA timed in the same run, before
+// ours): dense b=128 h_q=128 s_k=4096 varlen 299.9 us = 460 TFLOPS (59% of the matmul ceiling;
+// FlashMLA 261.5 us, 0.87x; 281 us without FlashMLA in the run, 265 with the plan reused), s_q=2
+// causal s_k=8192 946.1 us (876.8, 0.93x); with the wider combine b=1 s_k=65536 55.6 us (67.7,
+// 1.22x), b=2 82.8 (89.8, 1.08x), b=4 s_k=8192 42.3 (51.0, 1.20x), b=8 s_k=32768 116.5 (117.2,
+// 1.01x); b=8 s_k=1024 29.7 (34.4, 1.16x). (h_q=16 goes to the small-rows kernel.) Steps: the
+// softmax's exp2 in one MUFU (exp2_ftz) 356 -> 326 us; wgmma descriptors at constant offsets from
+// two bases, the per-key mask as one compare against a per-row threshold, the lazy running max
+// and O rescales skipped by a warp vote 326 -> 314 us (s_q=2 1071 -> 985); Q staged with one
+// address per row rather than per chunk, and steady pairs without the per-key mask (P = exp2(S
+// scale - m) in one FFMA + MUFU) 284 -> 270 us plan reused; no poll of the other warpgroup's V
+// tiles 270 -> 265 us plan reused.
 // Where the time goes (ncu, h_q=128, before the last step): the kernel 283 us against FlashMLA's
 // 227 with the same DRAM bytes; equal time waiting on TMA tiles, but more fixed-latency stalls
 // (MUFU sequences, index and mask arithmetic), warpgroup waits and wgmma issue, the epilogue's

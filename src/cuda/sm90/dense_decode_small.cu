@@ -21,9 +21,10 @@
 //     dependent launch);
 //   * with a fresh plan every CTA first plans its own part (plan_block.cuh; no planner kernel).
 // Tile sizes: 64-key blocks, N = 16 or 32 rows, two key buffers (144 KB at D = 576) + Q (18 / 36 KB).
-// Reached on an H200 (bench/RESULTS.md, whole API call): dense b=128 h_q=16 s_k=8192 307.9 us =
-// 92.1% of the copy ceiling (FlashMLA, which pads the rows to 64: 315.1 us in the same run, 1.02x),
-// after the parallel planner (335.7 before; the kernel was unchanged). ncu: this kernel 305.8 us at
+// Reached on an H200 (bench/RESULTS.md, whole API call): dense b=128 h_q=16 s_k=8192 303.7-304.2 us
+// = 93.3% of the copy ceiling (FlashMLA, which pads the rows to 64: 322.3 us timed just before
+// ours in one run, where ours took 312.5, 1.03x); 307.9 after the parallel planner (335.7 before;
+// the kernel was unchanged). ncu: this kernel 305.8 us at
 // 3.96 TB/s of DRAM reads against FlashMLA's 285.9 us at 4.23 TB/s; with MLA_DENSE_DIAG (the key
 // stream alone) 294.9 us at 4.10 TB/s, so the two-buffer key stream itself is the first limit.
 // Before exp2_ftz 334-361 us; the 64-row Hopper kernel 364-386 us. Tried and measured slower (~470 us):

@@ -22,19 +22,21 @@
 //   * with a fresh plan every CTA first plans its own part (plan_block.cuh; no planner kernel).
 // Tile sizes: 64-token blocks, N = 16 or 32 heads, two bf16 key buffers (144 KB at d_qk 576) + Q.
 // Reached on an H200 (bench/RESULTS.md, whole API call, FlashMLA padded to 64 heads in the same
-// run): V3.2 b=128 h_q=16 topk 2048 87.6-91.3 us (FlashMLA 152.6-154.3 us, 1.67-1.76x; 77 us with
-// the plan reused); b=64 h_q=32 74.4-76.8 us (107.6-108.9, 1.40-1.46x); MODEL1 b=128 h_q=16 mixed
-// with sink 49.7-53.5 us (104.9-105.6, 1.96-2.12x; 41.5 reused). Timed alone with MLA_SPARSE_DIAG
-// (plan reused, V3.2 h_q=16): producers 55.0 us with three slots (70.5 with two), consumer about
-// 46 (80.9 whole with the old planner's ~35), together 77: they overlap poorly. The consumer's
-// tensor and shared-memory work is ~1400 cycles of the ~5000 a block took before the slots
-// (splitting S into two accumulator chains changed nothing, so it is not the wgmma chain). What
-// moved it (183.5 -> 155.8 us at h_q=16): the token's lengths read once per request and its cache named by
-// a flag (the producer had stalled at every block on loads it had just issued), the index read a
-// block ahead of the record, per-thread constant store offsets, branch-free dequantisation; then a
-// second producer warpgroup (155.8 -> 124.8: ncu had the single one latency-bound with one warp per
-// scheduler). Tried and slower (287 us): whole records staged into shared memory by
-// cp.async.bulk, 16 tokens per stage.
+// run): V3.2 b=128 h_q=16 topk 2048 88.9 us (FlashMLA 153.9 us, 1.73x; 77 us with the plan reused
+// before the kernel planned for itself); b=64 h_q=32 65.8 us (108.1, 1.64x); MODEL1 b=128 h_q=16
+// mixed with sink 49.5-52.9 us (104.7-105.3, 1.99-2.12x). Planning in the kernel (no planner kernel
+// before it) and a fixed cost of 2 blocks per piece took h_q=32 from 75.8 to 65.4 us and MODEL1
+// from 55.6 to 49.5 (whole calls, alternated on one machine). Timed alone with MLA_SPARSE_DIAG
+// (plan reused, V3.2 h_q=16): producers 55.0 us with three slots (70.5 with two), consumer about 46
+// (80.9 whole with the old planner's ~35), together 77: they overlap poorly. The consumer's tensor
+// and shared-memory work is ~1400 cycles of the ~5000 a block took before the slots (splitting S
+// into two accumulator chains changed nothing, so it is not the wgmma chain). What moved it (183.5
+// -> 155.8 us at h_q=16): the token's lengths read once per request and its cache named by a flag
+// (the producer had stalled at every block on loads it had just issued), the index read a block
+// ahead of the record, per-thread constant store offsets, branch-free dequantisation; then a second
+// producer warpgroup (155.8 -> 124.8: ncu had the single one latency-bound with one warp per
+// scheduler). Tried and slower (287 us): whole records staged into shared memory by cp.async.bulk,
+// 16 tokens per stage.
 #include <cuda_runtime.h>
 
 #include <cstdint>
