@@ -20,10 +20,14 @@ import bench_decode as B  # noqa: E402
 parser = argparse.ArgumentParser()
 parser.add_argument("cases", nargs="+", choices=sorted(B.CASES))
 parser.add_argument("--flashmla", metavar="DIR", help="profile FlashMLA's kernels on the same inputs")
+parser.add_argument("--reuse-plan", action="store_true",
+                    help="call twice with one scheduler object: the second call runs on the first's plan")
 args = parser.parse_args()
+B.REUSE_PLAN = args.reuse_plan
 api = B.load_flashmla(args.flashmla) if args.flashmla else B.flash_mla
 for name in args.cases:
     torch.manual_seed(zlib.crc32(name.encode()))  # the benchmark's inputs, the same for both libraries
     call, _, _, _ = B.CASES[name](api=api)
-    call()
+    for _ in range(2 if args.reuse_plan else 1):
+        call()
     torch.cuda.synchronize()
