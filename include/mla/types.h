@@ -53,10 +53,7 @@ constexpr int kPlanBlockSize = 64;
 constexpr int kPlanFixedOverheadBlocks = 5;
 // The same for the few-rows kernels (at most 32 query rows per KV head, or 32 sparse heads), whose
 // blocks are memory-bound: a piece costs its Q and its first loads, about a block.
-#ifndef MLA_PLAN_FEW_ROWS_COST
-#define MLA_PLAN_FEW_ROWS_COST 2
-#endif
-constexpr int kPlanFewRowsFixedBlocks = MLA_PLAN_FEW_ROWS_COST;
+constexpr int kPlanFewRowsFixedBlocks = 2;
 static_assert(kPlanFewRowsFixedBlocks >= 1 && kPlanFewRowsFixedBlocks <= kPlanFixedOverheadBlocks, "a piece costs");
 
 // Error raised by validation in the core; the message names the argument, what was expected and

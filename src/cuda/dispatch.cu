@@ -75,10 +75,6 @@ int device_arch() {
   return archs[dev];
 }
 
-namespace {
-
-}  // namespace
-
 bool programmatic_launch() {
   if (device_arch() < 90) return false;
   const char* env = std::getenv("MLA_KERNELS_PDL");
@@ -103,7 +99,6 @@ std::vector<ImplementationInfo> infos_of(const std::vector<Implementation<Params
 // unless its implementation plans in its attention kernel (no kernel boundary between planning and
 // work): those kernels keep the planner's part costs in a key buffer, which holds them for up to
 // kPlanMaxPartsIn64KB parts (far more than SMs).
-constexpr int kSelfPlanMaxParts = kPlanMaxPartsIn64KB;
 cudaError_t plan_if_fresh(DecodeSplit& split, const DecodePlanParams& pp, cudaStream_t stream) {
   if (!split.plan_fresh) return cudaSuccess;
   split.plan_fresh = false;
@@ -125,7 +120,7 @@ cudaError_t run(const std::vector<Implementation<Params>>& table, OpKind op, con
   static const std::vector<ImplementationInfo> infos = infos_of(table);
   const int i = select_implementation(infos, op, device_arch(), required_features(p), forced_implementation());
   Params call = p;
-  if (!table[i].plans_itself || parts_of(call) > kSelfPlanMaxParts) {
+  if (!table[i].plans_itself || parts_of(call) > kPlanMaxPartsIn64KB) {
     const cudaError_t err = plan_if_fresh(call, stream);
     if (err != cudaSuccess) return err;
   }
