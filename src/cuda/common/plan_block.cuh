@@ -46,7 +46,9 @@ struct BlockPlanner {
   // most kPlanMaxPartsIn64KB parts). Ends with the proxy fence (TMA or a peer's bulk copies write
   // the same bytes next); the caller synchronises after.
   __device__ static void run_in(const DecodePlanParams& p, int part, void* scratch, void* costs) {
-    run(p, part, *reinterpret_cast<Scratch*>(scratch), reinterpret_cast<unsigned long long*>(costs));
+    // A copy for the out-of-line planner: the kernel's own params stay in registers.
+    const DecodePlanParams copy = p;
+    run(copy, part, *reinterpret_cast<Scratch*>(scratch), reinterpret_cast<unsigned long long*>(costs));
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
   }
 
@@ -54,7 +56,7 @@ struct BlockPlanner {
   // and stored once with its final values, so that CTAs of one part, which store the same row,
   // never expose an idle or half-made one to each other). Every thread of the CTA calls it; the
   // caller synchronises the CTA before it reads what was written.
-  __device__ static void run(const DecodePlanParams& p, int only_part, Scratch& sc, unsigned long long* part_cost) {
+  __device__ __noinline__ static void run(const DecodePlanParams& p, int only_part, Scratch& sc, unsigned long long* part_cost) {
     const int tid = threadIdx.x;
     // The first round's block counts and positions stay in registers (most batches have one round).
     const int f = plan_fixed(p);
