@@ -87,6 +87,7 @@ enum Barrier : int {
   kBarV0RIssued = 4,  // WG1 issued O_R += P0 V0R (and published P1)
   kBarWg0 = 5,   // WG0 alone
   kBarWg1 = 6,   // WG1 alone
+  kBarP1Read = 7,  // WG1's O_R += P1 V1R is done (P1 is read from shared memory by both warpgroups)
 };
 
 template <int D>
@@ -352,7 +353,8 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_kernel(const __grid_
         if (has1) {
           if (next0) wgmma_wait<1>(); else wgmma_wait<0>();
           fence_regs(o);
-          // K1's V1L tiles (and, at D = 576, P1 in its RoPE tile) are free.
+          // K1's V1L tiles (and, at D = 576, P1 in its RoPE tile) are free once WG1 has read P1 too.
+          if constexpr (Smem<D>::kPInRope) named_sync(kBarP1Read, kThreads);
           if (wtid == 0 && next1) {
             load_tiles(1, nxt1, 0, kVTilesPerWg);
             if (kTiles > 2 * kVTilesPerWg) load_tiles(1, nxt1, 2 * kVTilesPerWg, kTiles);
@@ -388,8 +390,8 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_kernel(const __grid_
         pack_p<T>(s, pa);
         if (has1) {
           if (valid1 < kBlockN) zero_v_tail(sm, 1, kVTilesPerWg, valid1, wtid, kBarWg1);
-          pv_rs<T>(sm.k[1][kVTilesPerWg], pa, o);
-          // P1 for WG0's O_L += P1 V1L.
+          // P1 into shared memory, for WG0's O_L += P1 V1L and this warpgroup's O_R += P1 V1R
+          // alike: P leaves the registers before the two P V of this warpgroup are queued.
           uint8_t* p1 = sm.p(1);
 #pragma unroll
           for (int kk = 0; kk < 4; ++kk)
@@ -397,18 +399,23 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_kernel(const __grid_
             for (int e = 0; e < 4; ++e)
               *reinterpret_cast<uint32_t*>(p1 + swz(rr[e % 2], kk * 16 + (e / 2) * 8 + 2 * t4)) = pa[kk][e];
           fence_proxy_async();
-          // K1's V1R tiles are free once O_R += P1 V1R is done (usually by now): reload them before
-          // waiting for WG0, so that they land before this warpgroup's next S needs them.
-          wgmma_wait<0>();
-          fence_regs(o);
-          if (wtid == 0 && next1) load_tiles(1, nxt1, kVTilesPerWg, 2 * kVTilesPerWg);
+          named_sync(kBarWg1, 128);
+          pv_ss<T>(p1, sm.k[1][kVTilesPerWg], o);
         }
         named_sync(kBarP0, kThreads);
         // K0's V0R tiles landed: WG0 waited for every tile of K0 before its S0, then arrived at
-        // kBarM0 and kBarP0.
+        // kBarM0 and kBarP0. O_R += P0 V0R is queued behind O_R += P1 V1R (nothing touches O_R
+        // between them), so that WG0 hears of it without waiting for this warpgroup's first P V.
         if (valid0 < kBlockN) zero_v_tail(sm, 0, kVTilesPerWg, valid0, wtid, kBarWg1);
         pv_ss<T>(sm.p(0), sm.k[0][kVTilesPerWg], o);
         named_arrive(kBarV0RIssued, kThreads);
+        if (has1) {
+          // K1's V1R tiles are free once O_R += P1 V1R is done: reloaded before the second waits;
+          // and WG0 may then reload the RoPE tile that holds P1 at D = 576.
+          wgmma_wait<1>();
+          if constexpr (Smem<D>::kPInRope) named_arrive(kBarP1Read, kThreads);
+          if (wtid == 0 && next1) load_tiles(1, nxt1, kVTilesPerWg, 2 * kVTilesPerWg);
+        }
         wgmma_wait<0>();
         fence_regs(o);
         // K0's V0R tiles (and, at D = 576, P0 in its RoPE tile) are free.
