@@ -38,18 +38,6 @@ __device__ __forceinline__ void pack_p(const float (&s)[32], uint32_t (&pa)[4][4
     for (int e = 0; e < 4; ++e) pa[kk][e] = ptx::pack2<T>(s[8 * kk + 2 * e], s[8 * kk + 2 * e + 1]);
 }
 
-// P = exp2(S - m) for this thread's two rows (0 where the row max is still -inf: every S of the row
-// is -inf then), adding each row's values to sum.
-__device__ __forceinline__ void exponentiate(float (&s)[32], const float (&m)[2], float (&sum)[2]) {
-  const float base[2] = {m[0] == -INFINITY ? 0.f : m[0], m[1] == -INFINITY ? 0.f : m[1]};
-#pragma unroll
-  for (int n = 0; n < 32; ++n) {
-    const int h = (n % 4) / 2;
-    s[n] = exp2_ftz(s[n] - base[h]);
-    sum[h] += s[n];
-  }
-}
-
 // P = exp2(S scale + bias) for this thread's two rows (S unscaled; bias -m, or -inf for a row whose
 // keys in this block are all masked), adding each row's values to sum.
 __device__ __forceinline__ void exponentiate_fma(float (&s)[32], float scale, const float (&bias)[2],
@@ -60,6 +48,13 @@ __device__ __forceinline__ void exponentiate_fma(float (&s)[32], float scale, co
     s[n] = exp2_ftz(fmaf(s[n], scale, bias[h]));
     sum[h] += s[n];
   }
+}
+
+// P = exp2(S - m) for this thread's two rows (0 where the row max is still -inf: every S of the row
+// is -inf then), adding each row's values to sum.
+__device__ __forceinline__ void exponentiate(float (&s)[32], const float (&m)[2], float (&sum)[2]) {
+  const float bias[2] = {m[0] == -INFINITY ? 0.f : -m[0], m[1] == -INFINITY ? 0.f : -m[1]};
+  exponentiate_fma(s, 1.f, bias, sum);  // S * 1 - m in one rounding: S - m exactly
 }
 
 // The running max after a block whose max is `block`, moved lazily: only when the block exceeds it
