@@ -168,12 +168,14 @@ def test_sharp_softmax(seqlens, s_q, h_q, causal, dtype, d, scale, impl, monkeyp
     check(q, paged, causal, scale, impl, monkeypatch)
 
 
-@pytest.mark.parametrize("h_q,s_q", [(16, 1), (32, 1), (128, 1), (64, 2)])
-def test_hopper_kernels_make_the_planners_plan(h_q, s_q, monkeypatch):
+@pytest.mark.parametrize("h_q,s_q,b", [(16, 1, 90), (32, 1, 90), (128, 1, 90), (64, 2, 90),
+                                       (16, 1, 300), (128, 1, 300)])
+def test_hopper_kernels_make_the_planners_plan(h_q, s_q, b, monkeypatch):
     """With a fresh plan the Hopper kernels plan inside their CTAs, with no planner kernel: the rows
     and num_splits they store are those the planner kernel makes for the portable path, and a later
-    call reusing them gives the same bits."""
-    seqlens = [(i * 977) % 5000 for i in range(90)]
+    call reusing them gives the same bits. 300 requests take the in-kernel planner more than one
+    round of its threads (128 in the small-rows kernel, 256 in the 64-row one)."""
+    seqlens = [(i * 977) % 5000 for i in range(b)]
     paged = R.make_dense_paged(seqlens, 64, 1, 576, torch.bfloat16)
     q = R.rand((len(seqlens), s_q, h_q, 576), torch.bfloat16).cuda()
     kc, bt, sl = paged.k_cache.cuda(), paged.block_table.cuda(), paged.cache_seqlens.cuda()

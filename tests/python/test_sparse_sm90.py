@@ -73,12 +73,14 @@ def test_sparse_sharp_softmax(case, impl, monkeypatch):
     check_sparse(q, main, ex, R.make_sink(h_q, sink_mode), scale, device="cuda")
 
 
-@pytest.mark.parametrize("h_q,s_q,b", [(16, 1, 100), (32, 2, 37), (16, 1, 300), (64, 1, 50), (128, 2, 20)])
+@pytest.mark.parametrize("h_q,s_q,b", [(16, 1, 100), (32, 2, 37), (16, 1, 300), (64, 1, 50), (128, 2, 20),
+                                       (16, 1, 500), (64, 1, 400)])
 def test_hopper_kernels_make_the_planners_plan(h_q, s_q, b, monkeypatch):
     """With a fresh plan the Hopper kernels (small-heads, 64-head tiles, clusters of two at 128
     heads) plan inside their CTAs, with no planner kernel: the rows and num_splits they store are
     those the planner kernel makes for the portable path, with the same part count, and a later
-    call reusing them gives the same bits."""
+    call reusing them gives the same bits. 500 and 400 requests take the in-kernel planner more
+    than one round of its 384 threads."""
     main, ex = build("model1", b, s_q, 2000, 512, 64, tl=True, extra=(300, 256, 64, True), device="cuda")
     q = R.rand((b, s_q, h_q, 512)).cuda()
     args = dict(is_fp8_kvcache=True, indices=main.indices.cuda(), topk_length=main.topk_length.cuda(),
