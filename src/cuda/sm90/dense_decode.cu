@@ -11,7 +11,8 @@
 //     ("seesaw"); WG0 owns O[:, 0:256], WG1 O[:, 256:512], both in registers (64 x 256 fp32 each):
 //       WG0: m0 = max(m, rowmax S0); P0 = exp2(S0 - m0); O_L = O_L a0 + P0 V0L
 //       WG1: m1 = max(m0, rowmax S1); P1 = exp2(S1 - m1); O_R = O_R a0 s1 + P1 V1R  (s1 = exp2(m0 - m1))
-//       WG0: P0 s1 -> smem                        WG1: O_R += (P0 s1) V0R
+//       WG0: P0 s1 -> smem                        WG1: P1 -> smem, then O_R += P1 V1R and
+//                                                      O_R += (P0 s1) V0R queued back to back
 //       WG0: O_L = O_L s1 + P1 V1L, then S0' = Q K0'^T of the next pair behind it
 //       WG1: S1' = Q K1'^T of the next pair once its P V are done
 //     so one warpgroup's softmax overlaps the other's matrix work and the next S is queued behind
@@ -21,7 +22,8 @@
 //     WG1 after O_R += P1 V1R, the rest after the cross products); block-table entries are read
 //     one pair ahead;
 //   * at D = 576, P0 / P1 live in the RoPE tile of K0 / K1 once S of that block is done, so Q, both
-//     key buffers and P fit in 216 KB;
+//     key buffers and P fit in 216 KB; WG0 reloads K1's RoPE tile only once WG1 has passed a named
+//     barrier after its O_R += P1 V1R (both warpgroups read P1 there);
 //   * the tail of a request's last page past its length is zeroed in shared memory by the
 //     warpgroup about to multiply that half of V (P is 0 there, 0 * NaN is not); invalid
 //     block-table entries load as zeros (out-of-bounds TMA box) and their keys are masked;
@@ -30,8 +32,8 @@
 //     combine kernel one of it;
 //   * epilogue: whole pieces write out/lse, split pieces fp32 partials.
 // Tile sizes: BLOCK_M 64 rows, 64 keys per block, 64 x 64 TMA tiles (128-byte swizzle), two key
-// buffers; wgmma m64n64k16 (S, both operands in shared memory) and m64n256k16 (P V, P from
-// registers for the own block, from shared memory for the other warpgroup's).
+// buffers; wgmma m64n64k16 (S, both operands in shared memory) and m64n256k16 (P V: WG0's own P
+// from registers, every other P from shared memory).
 // Reached on an H200 (bench/RESULTS.md, whole API call, FlashMLA timed in the same run, before
 // ours): dense b=128 h_q=128 s_k=4096 varlen 299.9 us = 460 TFLOPS (59% of the matmul ceiling;
 // FlashMLA 261.5 us, 0.87x; 281 us without FlashMLA in the run, 265 with the plan reused), s_q=2
@@ -43,7 +45,10 @@
 // and O rescales skipped by a warp vote 326 -> 314 us (s_q=2 1071 -> 985); Q staged with one
 // address per row rather than per chunk, and steady pairs without the per-key mask (P = exp2(S
 // scale - m) in one FFMA + MUFU) 284 -> 270 us plan reused; no poll of the other warpgroup's V
-// tiles 270 -> 265 us plan reused.
+// tiles 270 -> 265 us plan reused; WG1's two P V queued back to back (FlashMLA's order, both P
+// from shared memory) and the in-kernel planner out of line (no spills in the loop) 280-284 ->
+// 272-273 us plan reused, whole call 289-290 -> 278-280 (eighth session, ours alone; FlashMLA in
+// the same run, replays alternated, before these two: 313.5 against 276.0, 0.88x).
 // Where the time goes (ncu, h_q=128, before the last step): the kernel 283 us against FlashMLA's
 // 227 with the same DRAM bytes; equal time waiting on TMA tiles, but more fixed-latency stalls
 // (MUFU sequences, index and mask arithmetic), warpgroup waits and wgmma issue, the epilogue's

@@ -24,19 +24,20 @@
 // Reached on an H200 (bench/RESULTS.md, whole API call, FlashMLA padded to 64 heads in the same
 // run): V3.2 b=128 h_q=16 topk 2048 88.9 us (FlashMLA 153.9 us, 1.73x; 77 us with the plan reused
 // before the kernel planned for itself); b=64 h_q=32 65.8 us (108.1, 1.64x); MODEL1 b=128 h_q=16
-// mixed with sink 49.5-52.9 us (104.7-105.3, 1.99-2.12x). Planning in the kernel (no planner kernel
-// before it) and a fixed cost of 2 blocks per piece took h_q=32 from 75.8 to 65.4 us and MODEL1
-// from 55.6 to 49.5 (whole calls, alternated on one machine). Timed alone with MLA_SPARSE_DIAG
-// (plan reused, V3.2 h_q=16): producers 55.0 us with three slots (70.5 with two), consumer about 46
-// (80.9 whole with the old planner's ~35), together 77: they overlap poorly. The consumer's tensor
-// and shared-memory work is ~1400 cycles of the ~5000 a block took before the slots (splitting S
-// into two accumulator chains changed nothing, so it is not the wgmma chain). What moved it (183.5
-// -> 155.8 us at h_q=16): the token's lengths read once per request and its cache named by a flag
-// (the producer had stalled at every block on loads it had just issued), the index read a block
-// ahead of the record, per-thread constant store offsets, branch-free dequantisation; then a second
-// producer warpgroup (155.8 -> 124.8: ncu had the single one latency-bound with one warp per
-// scheduler). Tried and slower (287 us): whole records staged into shared memory by cp.async.bulk,
-// 16 tokens per stage.
+// mixed with sink 49.5-52.9 us (104.7-105.3, 1.99-2.12x); with the in-kernel planner out of line
+// 48.8-48.9 (51.8-51.9 before, both alone; FlashMLA 106.0 in the eighth session's run). Planning in
+// the kernel (no planner kernel before it) and a fixed cost of 2 blocks per piece took h_q=32 from
+// 75.8 to 65.4 us and MODEL1 from 55.6 to 49.5 (whole calls, alternated on one machine). Timed
+// alone with MLA_SPARSE_DIAG (plan reused, V3.2 h_q=16): producers 55.0 us with three slots (70.5
+// with two), consumer about 46 (80.9 whole with the old planner's ~35), together 77: they overlap
+// poorly. The consumer's tensor and shared-memory work is ~1400 cycles of the ~5000 a block took
+// before the slots (splitting S into two accumulator chains changed nothing, so it is not the wgmma
+// chain). What moved it (183.5 -> 155.8 us at h_q=16): the token's lengths read once per request
+// and its cache named by a flag (the producer had stalled at every block on loads it had just
+// issued), the index read a block ahead of the record, per-thread constant store offsets,
+// branch-free dequantisation; then a second producer warpgroup (155.8 -> 124.8: ncu had the single
+// one latency-bound with one warp per scheduler). Tried and slower (287 us): whole records staged
+// into shared memory by cp.async.bulk, 16 tokens per stage.
 #include <cuda_runtime.h>
 
 #include <cstdint>
