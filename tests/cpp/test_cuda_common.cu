@@ -236,6 +236,17 @@ TEST(CudaCombine, ManySplitsOfOneLongRequest) {
   expect_combine_matches_host({20000, 3000, 40000}, 2, 70, 101, 7);
 }
 
+TEST(CudaCombine, ManyRequests) {
+  // 1140, 2432 and 4864 rows of 19 heads: a warp takes one, two, then all four quarters of its
+  // head's columns.
+  std::mt19937 rng(8);
+  for (int b : {30, 64, 128}) {
+    std::vector<int32_t> lens(b);
+    for (auto& l : lens) l = int(rng() % 6000);
+    expect_combine_matches_host(lens, /*s_q=*/2, /*h_q=*/19, /*parts=*/132, 9 + b);
+  }
+}
+
 // On a Hopper GPU dense decode over 64-token pages runs the sm90 kernel; what it lacks (FP8,
 // other page sizes) and MLA_KERNELS_IMPL=portable reach the portable kernel.
 TEST(CudaDispatch, DenseDecodePicksTheHopperKernelOnSm90) {
