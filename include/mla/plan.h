@@ -142,17 +142,56 @@ MLA_HD long long plan_width(long long total, int num_sm_parts) { return (total +
 // The widths the planner tries: W + c for c in [0, f + 1) with f the fixed cost; at most this many.
 constexpr int kPlanWidthChoices = kPlanFixedOverheadBlocks + 1;
 
-// Bit c set: request (at unit `start`, `blocks` = request_blocks) is cut in two by width W + c.
-MLA_HD unsigned plan_cuts(long long start, int blocks, long long w, int f) {
+// Division of a position on the line (a >= 0) by a width d: a / d. The planner functions below take
+// their divisions as such an object, so that the device planner can pass one that divides by an
+// invariant width faster (plan_block.cuh) and compute the same plan.
+struct PlanDiv {
+  long long d;
+  MLA_HD long long operator()(long long a) const { return a / d; }
+};
+
+// The same division for 0 <= a < 2^32 and a divisor fixed for many divisions (the device planner's,
+// for lines shorter than 2^31 units): m = floor((2^32 - 1) / d) makes the high half of a * m either
+// a / d or one less, and the remainder settles which. A multiply where a / d is a long subroutine.
+struct PlanInvariantDiv {
+  unsigned d = 1, m = 0xffffffffu;
+  PlanInvariantDiv() = default;
+  MLA_HD explicit PlanInvariantDiv(unsigned divisor) : d(divisor), m(0xffffffffu / divisor) {}
+  MLA_HD long long operator()(long long a) const {
+    const unsigned x = unsigned(a);
+#if defined(__CUDA_ARCH__)
+    const unsigned q = __umulhi(x, m);
+#else
+    const unsigned q = unsigned((unsigned long long)x * m >> 32);
+#endif
+    return (long long)(q + (x - q * d >= d ? 1u : 0u));
+  }
+};
+
+// Bit c set: request (at unit `start`, `blocks` = request_blocks) is cut in two by width W + c;
+// by[c] divides by W + c.
+template <class Div>
+MLA_HD unsigned plan_cuts_by(const Div* by, long long start, int blocks, int f) {
   const long long first = start + f, last = start + plan_units(blocks, f) - 1;
   unsigned cut = 0;
-  for (int c = 0; c <= f; ++c) cut |= unsigned(first / (w + c) != last / (w + c)) << c;
+#if defined(__CUDACC__)
+#pragma unroll
+#endif
+  for (int c = 0; c < kPlanWidthChoices; ++c)
+    if (c <= f) cut |= unsigned(by[c](first) != by[c](last)) << c;
   return cut;
+}
+MLA_HD unsigned plan_cuts(long long start, int blocks, long long w, int f) {
+  PlanDiv by[kPlanWidthChoices];
+  for (int c = 0; c < kPlanWidthChoices; ++c) by[c].d = w + c;
+  return plan_cuts_by(by, start, blocks, f);
 }
 
 // The part whose units hold request (at unit `start`)'s first block, at width W + c: with no
-// request cut, the part that runs the whole request.
-MLA_HD int plan_first_part(long long start, long long w, int c, int f) { return int((start + f) / (w + c)); }
+// request cut, the part that runs the whole request. `by` divides by W + c.
+template <class Div>
+MLA_HD int plan_first_part_by(const Div& by, long long start, int f) { return int(by(start + f)); }
+MLA_HD int plan_first_part(long long start, long long w, int c, int f) { return plan_first_part_by(PlanDiv{w + c}, start, f); }
 
 // The width used: `unfit` has bit c set where width W + c cuts a request (the OR of every request's
 // plan_cuts) or leaves a part costing more than W + f. The smallest other width, else W.
@@ -178,13 +217,15 @@ MLA_HD void plan_idle_row(const DecodePlanParams& p, int part) {
 // fields of the rows it begins or ends (every other field of those rows is written by the request
 // that begins or ends them, or is the idle row's) and returns its piece count. Rows start idle.
 // With only_part >= 0 it writes that row alone, into *only_row (a decode CTA planning for itself).
-MLA_HD int plan_request(const DecodePlanParams& p, int i, long long start, int blocks, long long w,
-                        int only_part = -1, PlanRow* only_row = nullptr) {
+// `by` divides by w.
+template <class Div>
+MLA_HD int plan_request_by(const Div& by, const DecodePlanParams& p, int i, long long start, int blocks, long long w,
+                           int only_part = -1, PlanRow* only_row = nullptr) {
   const int fixed = plan_fixed(p);
   const long long first = start + fixed, end = start + plan_units(blocks, fixed);  // its block units
-  const int f = int(first / w), l = int((end - 1) / w);                    // its first and last part
-  const bool opens = i == 0 || (start - 1) / w < f;      // the request before has no block in part f
-  const bool closes = i == p.b - 1 || (end + fixed) / w > l;  // nor the one after in part l
+  const int f = int(by(first)), l = int(by(end - 1));                        // its first and last part
+  const bool opens = i == 0 || by(start - 1) < f;        // the request before has no block in part f
+  const bool closes = i == p.b - 1 || by(end + fixed) > l;    // nor the one after in part l
   PlanRow* rows = reinterpret_cast<PlanRow*>(p.tile_scheduler_metadata);
   const int j0 = only_part >= 0 ? (only_part > f ? only_part : f) : f;
   const int j1 = only_part >= 0 ? (only_part < l ? only_part : l) : l;
@@ -205,6 +246,10 @@ MLA_HD int plan_request(const DecodePlanParams& p, int i, long long start, int b
     if (begins && ends) r.first_split = r.last_split = l > f;  // the part's only piece: split or not
   }
   return l - f + 1;
+}
+MLA_HD int plan_request(const DecodePlanParams& p, int i, long long start, int blocks, long long w,
+                        int only_part = -1, PlanRow* only_row = nullptr) {
+  return plan_request_by(PlanDiv{w}, p, i, start, blocks, w, only_part, only_row);
 }
 
 // Number of parts for a call, from the number of SMs (or CPU "virtual SMs") available. Dense decode

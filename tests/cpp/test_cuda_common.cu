@@ -46,10 +46,11 @@ std::vector<T> to_host(const T* d, size_t n) {
 TEST(CudaPlan, EqualsHostPlan) {
   std::mt19937 rng(3);
   for (int trial = 0; trial < 200; ++trial) {
-    // Trial 0 is larger than the planner's shared-memory staging buffer (12288 requests).
-    const int b = trial == 0 ? 13000 : 1 + int(rng() % 3000);
+    // Trial 0 is larger than the planner's shared-memory staging buffer (12288 requests); trial 2's
+    // line is longer than 2^31 units, which the fast planner leaves to the general one.
+    const int b = trial == 0 ? 13000 : trial == 2 ? 100 : 1 + int(rng() % 3000);
     std::vector<int32_t> lens(b), topk_len(b), extra_len(b);
-    for (auto& l : lens) l = rng() % 7 == 0 ? 0 : int(rng() % 40000);
+    for (auto& l : lens) l = trial == 2 ? 0x7fffffff - int(rng() % 100000) : rng() % 7 == 0 ? 0 : int(rng() % 40000);
     DecodePlanParams p;
     p.b = b;
     p.num_sm_parts = 1 + int(rng() % 132);
@@ -93,20 +94,25 @@ TEST(CudaPlan, EqualsHostPlan) {
 }
 
 // Every CTA plans for itself, as an attention kernel that plans in its prologue: 384 threads (the
-// small-heads sparse kernel's), two CTAs per part (s_q = 2) storing the same row.
-__global__ void self_plan_kernel(DecodePlanParams p) {
+// small-heads sparse kernel's), two CTAs per part (s_q = 2) storing the same row. `general`: the
+// general planner even where the fast one applies.
+__global__ void self_plan_kernel(DecodePlanParams p, bool general) {
   using Planner = cuda::BlockPlanner<384>;
   __shared__ Planner::Scratch scratch;
   extern __shared__ unsigned long long part_cost[];
-  Planner::run(p, int(blockIdx.x), scratch, part_cost);
+  if (general) Planner::run(p, int(blockIdx.x), scratch, part_cost);
+  else Planner::plan(p, int(blockIdx.x), scratch, part_cost);
 }
 
 TEST(CudaPlan, EachCtaMakesItsOwnRow) {
   std::mt19937 rng(5);
-  for (int trial = 0; trial < 100; ++trial) {
-    const int b = trial == 0 ? 2000 : 1 + int(rng() % 700);  // trial 0: several rounds of 384
+  for (int trial = 0; trial < 150; ++trial) {
+    // Trial 0: several rounds of 384; trial 2: a line longer than 2^31 units (the fast planner
+    // declines it); every third trial from 1 runs the general planner on an ordinary batch.
+    const int b = trial == 0 ? 2000 : trial == 2 ? 100 : 1 + int(rng() % 700);
+    const bool general = trial % 3 == 1;
     std::vector<int32_t> lens(b), topk_len(b);
-    for (auto& l : lens) l = rng() % 7 == 0 ? 0 : int(rng() % 20000);
+    for (auto& l : lens) l = trial == 2 ? 0x7fffffff - int(rng() % 100000) : rng() % 7 == 0 ? 0 : int(rng() % 20000);
     DecodePlanParams p;
     p.b = b;
     p.num_sm_parts = 1 + int(rng() % 132);
@@ -133,11 +139,11 @@ TEST(CudaPlan, EachCtaMakesItsOwnRow) {
     dev.tile_scheduler_metadata = d_rows;
     dev.num_splits = d_ns;
     const size_t smem = cuda::BlockPlanner<384>::part_cost_bytes(p.num_sm_parts);
-    self_plan_kernel<<<dim3(unsigned(p.num_sm_parts), 2), 384, smem>>>(dev);
+    self_plan_kernel<<<dim3(unsigned(p.num_sm_parts), 2), 384, smem>>>(dev, general);
     CUDA_OK(cudaGetLastError());
     CUDA_OK(cudaDeviceSynchronize());
-    EXPECT_EQ(to_host(d_rows, rows.size()), rows) << "trial " << trial;
-    EXPECT_EQ(to_host(d_ns, ns.size()), ns) << "trial " << trial;
+    EXPECT_EQ(to_host(d_rows, rows.size()), rows) << "trial " << trial << (general ? " (general planner)" : "");
+    EXPECT_EQ(to_host(d_ns, ns.size()), ns) << "trial " << trial << (general ? " (general planner)" : "");
     for (void* ptr : {(void*)d_len, (void*)d_rows, (void*)d_ns}) cudaFree(ptr);
   }
 }

@@ -147,6 +147,26 @@ TEST(Plan, EachPartAloneMakesTheSameRow) {
   }
 }
 
+TEST(Plan, InvariantDivisionIsExact) {
+  // The device planner's division by an invariant width: a / d for every 32-bit a, checked at the
+  // edges (0, multiples of d and their neighbours, 2^31, 2^32 - 1) and at random, for small, odd,
+  // power-of-two and huge divisors.
+  std::mt19937_64 rng(11);
+  std::vector<unsigned> divisors = {1, 2, 3, 5, 6, 7, 63, 64, 65, 641, 6700417, 0x7fffffffu, 0x80000000u, 0xfffffffeu, 0xffffffffu};
+  for (int k = 0; k < 2000; ++k) divisors.push_back(1u + unsigned(rng() >> (33 + rng() % 31)));
+  for (unsigned d : divisors) {
+    const PlanInvariantDiv div(d);
+    std::vector<unsigned long long> as = {0, 1, 2, 0x7fffffffULL, 0x80000000ULL, 0xfffffffeULL, 0xffffffffULL};
+    for (unsigned long long q : {1ULL, 2ULL, 3ULL, 0xffffffffULL / d, 0xffffffffULL / d - 1})
+      for (long long e : {-1LL, 0LL, 1LL}) {
+        const long long a = (long long)(q * d) + e;
+        if (a >= 0 && a <= 0xffffffffLL) as.push_back((unsigned long long)a);
+      }
+    for (int k = 0; k < 200; ++k) as.push_back(rng() >> (32 + rng() % 32));
+    for (unsigned long long a : as) ASSERT_EQ(div((long long)a), (long long)(a / d)) << a << " / " << d;
+  }
+}
+
 TEST(Plan, IdlePartsWhenThereIsLittleWork) {
   // One 1-block request over 6 parts: W = ceil(6 / 6) = 1, its block is unit 5, so part 5 runs it
   // whole and parts 0-4 are idle (begin_req = b).

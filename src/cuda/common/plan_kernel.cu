@@ -19,7 +19,7 @@ __global__ void __launch_bounds__(kThreads) plan_decode_kernel(DecodePlanParams 
 #endif
   __shared__ Planner::Scratch scratch;
   extern __shared__ unsigned long long part_cost[];
-  Planner::run(p, -1, scratch, part_cost);
+  Planner::plan(p, -1, scratch, part_cost);
 }
 
 }  // namespace
