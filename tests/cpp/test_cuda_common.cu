@@ -43,14 +43,26 @@ std::vector<T> to_host(const T* d, size_t n) {
   return v;
 }
 
+// The general planner over every row (256 threads, as the planner kernel), where plan_decode would
+// take the fast one.
+__global__ void general_plan_kernel(DecodePlanParams p) {
+  using Planner = cuda::BlockPlanner<256>;
+  __shared__ Planner::Scratch scratch;
+  extern __shared__ unsigned long long part_cost[];
+  Planner::run(p, -1, scratch, part_cost);
+}
+
 TEST(CudaPlan, EqualsHostPlan) {
   std::mt19937 rng(3);
   for (int trial = 0; trial < 200; ++trial) {
-    // Trial 0 is larger than the planner's shared-memory staging buffer (12288 requests); trial 2's
-    // line is longer than 2^31 units, which the fast planner leaves to the general one.
-    const int b = trial == 0 ? 13000 : trial == 2 ? 100 : 1 + int(rng() % 3000);
+    // Trial 0: many rounds of the planner's threads. Trial 2: a line of about 6.7e9 units, past
+    // 2^32, which the fast planner must leave to the general one (in 32 bits it would wrap). Trial
+    // 6: a line just under 2^31 units, the fast planner's largest. Every third trial from 1 runs
+    // the general planner over every row.
+    const int b = trial == 0 ? 13000 : trial == 2 ? 200 : trial == 6 ? 63 : 1 + int(rng() % 3000);
+    const bool huge = trial == 2 || trial == 6, general = trial % 3 == 1;
     std::vector<int32_t> lens(b), topk_len(b), extra_len(b);
-    for (auto& l : lens) l = trial == 2 ? 0x7fffffff - int(rng() % 100000) : rng() % 7 == 0 ? 0 : int(rng() % 40000);
+    for (auto& l : lens) l = huge ? 0x7fffffff - int(rng() % 100000) : rng() % 7 == 0 ? 0 : int(rng() % 40000);
     DecodePlanParams p;
     p.b = b;
     p.num_sm_parts = 1 + int(rng() % 132);
@@ -85,10 +97,15 @@ TEST(CudaPlan, EqualsHostPlan) {
     dev.extra_topk_length = host.extra_topk_length ? d_extra : nullptr;
     dev.tile_scheduler_metadata = d_rows;
     dev.num_splits = d_ns;
-    CUDA_OK(cuda::plan_decode(dev, nullptr));
+    if (general) {
+      general_plan_kernel<<<1, 256, cuda::BlockPlanner<256>::part_cost_bytes(p.num_sm_parts)>>>(dev);
+      CUDA_OK(cudaGetLastError());
+    } else {
+      CUDA_OK(cuda::plan_decode(dev, nullptr));
+    }
     CUDA_OK(cudaDeviceSynchronize());
-    EXPECT_EQ(to_host(d_rows, rows.size()), rows) << "trial " << trial;
-    EXPECT_EQ(to_host(d_ns, ns.size()), ns) << "trial " << trial;
+    EXPECT_EQ(to_host(d_rows, rows.size()), rows) << "trial " << trial << (general ? " (general planner)" : "");
+    EXPECT_EQ(to_host(d_ns, ns.size()), ns) << "trial " << trial << (general ? " (general planner)" : "");
     for (void* ptr : {(void*)d_lens, (void*)d_topk, (void*)d_extra, (void*)d_rows, (void*)d_ns}) cudaFree(ptr);
   }
 }
@@ -107,12 +124,13 @@ __global__ void self_plan_kernel(DecodePlanParams p, bool general) {
 TEST(CudaPlan, EachCtaMakesItsOwnRow) {
   std::mt19937 rng(5);
   for (int trial = 0; trial < 150; ++trial) {
-    // Trial 0: several rounds of 384; trial 2: a line longer than 2^31 units (the fast planner
-    // declines it); every third trial from 1 runs the general planner on an ordinary batch.
-    const int b = trial == 0 ? 2000 : trial == 2 ? 100 : 1 + int(rng() % 700);
-    const bool general = trial % 3 == 1;
+    // Trial 0: several rounds of 384; trial 2: a line past 2^32 units (the fast planner must
+    // decline it); trial 6: just under 2^31 (its largest); every third trial from 1 runs the
+    // general planner on an ordinary batch.
+    const int b = trial == 0 ? 2000 : trial == 2 ? 200 : trial == 6 ? 63 : 1 + int(rng() % 700);
+    const bool huge = trial == 2 || trial == 6, general = trial % 3 == 1;
     std::vector<int32_t> lens(b), topk_len(b);
-    for (auto& l : lens) l = trial == 2 ? 0x7fffffff - int(rng() % 100000) : rng() % 7 == 0 ? 0 : int(rng() % 20000);
+    for (auto& l : lens) l = huge ? 0x7fffffff - int(rng() % 100000) : rng() % 7 == 0 ? 0 : int(rng() % 20000);
     DecodePlanParams p;
     p.b = b;
     p.num_sm_parts = 1 + int(rng() % 132);
