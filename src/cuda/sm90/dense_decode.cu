@@ -48,7 +48,10 @@
 // tiles 270 -> 265 us plan reused; WG1's two P V queued back to back (FlashMLA's order, both P
 // from shared memory) and the in-kernel planner out of line (no spills in the loop) 280-284 ->
 // 272-273 us plan reused, whole call 289-290 -> 278-280 (eighth session, ours alone; FlashMLA in
-// the same run, replays alternated, before these two: 313.5 against 276.0, 0.88x).
+// the same run, replays alternated, before these two: 313.5 against 276.0, 0.88x). Ninth session:
+// the combine sized by warps and the planner's fast path (plan_block.cuh) took the whole call from
+// 284.8 to 275.6 to 270.7 us (ours alone); with FlashMLA alternated, before the planner step, 303.7
+// against 277.8 (0.91x) and s_q=2 causal 936.2 against 897.7 (0.96x).
 // Where the time goes (ncu, h_q=128, before the last step): the kernel 283 us against FlashMLA's
 // 227 with the same DRAM bytes; equal time waiting on TMA tiles, but more fixed-latency stalls
 // (MUFU sequences, index and mask arithmetic), warpgroup waits and wgmma issue, the epilogue's

@@ -27,6 +27,9 @@
 // the kernel was unchanged). ncu: this kernel 305.8 us at
 // 3.96 TB/s of DRAM reads against FlashMLA's 285.9 us at 4.23 TB/s; with MLA_DENSE_DIAG (the key
 // stream alone) 294.9 us at 4.10 TB/s, so the two-buffer key stream itself is the first limit.
+// Ninth session, FlashMLA alternated in one run: 308.1 us (92.1% of copy; FlashMLA 325.1, 1.06x).
+// Measured slower there: refilling each V tile as its products end (318.0 against 305.0) and
+// three key buffers with the RoPE tile in its own slot (321.7).
 // Before exp2_ftz 334-361 us; the 64-row Hopper kernel 364-386 us. Tried and measured slower (~470 us):
 // the key tiles in one ring of 25 slots refilled as they free (up to three blocks in flight); the
 // loss was in the wgmma chain, not in the loads.

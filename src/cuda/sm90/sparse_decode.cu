@@ -39,7 +39,10 @@
 // 93.7 us (98.9, 1.06x); b=128 s_q=2 343.7 (358.2, 1.04x); MODEL1 b=128 h_q=128 mixed with sink
 // 88.5 us (105.9, 1.20x). The last step was the planner's, not this kernel's (197.6 -> 177.8: the
 // planner had cost ~20 us of every call); the kernel itself, with a plan reused, takes ~175 us
-// (FlashMLA's ~174). Steps: the crossover 515 -> 357 us; st.async
+// (FlashMLA's ~174). Ninth session, FlashMLA alternated, after the combine sized by warps (188.9
+// -> 180.9 alone): V3.2 182.7 (197.3, 1.08x), MODEL1 96.0 (105.9, 1.10x), s_q=2 b=128 348.8
+// (359.7, 1.03x), b=32 99.5 (99.2, 1.00x); then the planner's fast path 182.1 -> 178.4 alone.
+// Steps: the crossover 515 -> 357 us; st.async
 // instead of cluster-scope fences and acquires 357 -> 316; the producer's per-thread store offsets,
 // index a step ahead, lengths once per request and cache as a flag 316 -> 237; the peer's half by
 // bulk copy instead of a st.async per 16 bytes 241 -> 197 (timed alone, the producers went from

@@ -37,7 +37,12 @@
 // issued), the index read a block ahead of the record, per-thread constant store offsets,
 // branch-free dequantisation; then a second producer warpgroup (155.8 -> 124.8: ncu had the single
 // one latency-bound with one warp per scheduler). Tried and slower (287 us): whole records staged
-// into shared memory by cp.async.bulk, 16 tokens per stage.
+// into shared memory by cp.async.bulk, 16 tokens per stage. Ninth session, FlashMLA alternated:
+// MODEL1 h_q=16 50.6 us (105.5, 2.09x), V3.2 h_q=16 92.8 (153.6, 1.65x), h_q=32 71.7 (108.3,
+// 1.51x); then the planner's fast path, ours alone: MODEL1 48.6 -> 46.0, V3.2 90.4 -> 88.2. Also
+// slower there: three key buffers with S^T(j+1) issued before O^T(j) is waited for (MODEL1 48.5
+// -> 52.4) and the RoPE part of S^T from consumer registers with 8-tile buffers (V3.2 90.5 ->
+// 115.6).
 #include <cuda_runtime.h>
 
 #include <cstdint>
