@@ -146,7 +146,9 @@ constexpr int kPlanWidthChoices = kPlanFixedOverheadBlocks + 1;
 // their divisions as such an object, so that the device planner can pass one that divides by an
 // invariant width faster (plan_block.cuh) and compute the same plan.
 struct PlanDiv {
-  long long d;
+  long long d = 1;
+  PlanDiv() = default;
+  MLA_HD explicit PlanDiv(long long divisor) : d(divisor) {}
   MLA_HD long long operator()(long long a) const { return a / d; }
 };
 

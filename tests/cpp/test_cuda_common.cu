@@ -49,7 +49,7 @@ __global__ void general_plan_kernel(DecodePlanParams p) {
   using Planner = cuda::BlockPlanner<256>;
   __shared__ Planner::Scratch scratch;
   extern __shared__ unsigned long long part_cost[];
-  Planner::run(p, -1, scratch, part_cost);
+  Planner::run_general(p, -1, scratch, part_cost);
 }
 
 TEST(CudaPlan, EqualsHostPlan) {
@@ -117,7 +117,7 @@ __global__ void self_plan_kernel(DecodePlanParams p, bool general) {
   using Planner = cuda::BlockPlanner<384>;
   __shared__ Planner::Scratch scratch;
   extern __shared__ unsigned long long part_cost[];
-  if (general) Planner::run(p, int(blockIdx.x), scratch, part_cost);
+  if (general) Planner::run_general(p, int(blockIdx.x), scratch, part_cost);
   else Planner::plan(p, int(blockIdx.x), scratch, part_cost);
 }
 
