@@ -32,8 +32,8 @@
 //     combine kernel one of it;
 //   * epilogue: whole pieces write out/lse, split pieces fp32 partials.
 // Tile sizes: BLOCK_M 64 rows, 64 keys per block, 64 x 64 TMA tiles (128-byte swizzle), two key
-// buffers; wgmma m64n64k16 (S, both operands in shared memory) and m64n256k16 (P V: WG0's own P
-// from registers, every other P from shared memory).
+// buffers; wgmma m64n64k16 (S, both operands in shared memory, one group per tile) and m64n256k16
+// (P V: WG0's own P from registers, every other P from shared memory, stored by stmatrix.x4).
 // Reached on an H200 (bench/RESULTS.md, whole API call, FlashMLA timed in the same run, before
 // ours): dense b=128 h_q=128 s_k=4096 varlen 299.9 us = 460 TFLOPS (59% of the matmul ceiling;
 // FlashMLA 261.5 us, 0.87x; 281 us without FlashMLA in the run, 265 with the plan reused), s_q=2
@@ -51,7 +51,13 @@
 // the same run, replays alternated, before these two: 313.5 against 276.0, 0.88x). Ninth session:
 // the combine sized by warps and the planner's fast path (plan_block.cuh) took the whole call from
 // 284.8 to 275.6 to 270.7 us (ours alone); with FlashMLA alternated, before the planner step, 303.7
-// against 277.8 (0.91x) and s_q=2 causal 936.2 against 897.7 (0.96x).
+// against 277.8 (0.91x) and s_q=2 causal 936.2 against 897.7 (0.96x). Tenth session: S committed
+// one wgmma group per tile (WG0's wait for O_L += P1 V1L no longer waits for S0's first tiles), the
+// rare P0 s1 rescale under one branch, P stored by stmatrix.x4: 268.5 -> 262.0 us, s_q=2 causal
+// 895 -> 868 (ours alone, alternated); keys kept evict_normal where 64-row tiles share them lost
+// (268.5 -> 276). With FlashMLA alternated: 271.0 against 264.2 (0.97x), s_q=2 causal 908.8
+// against 880.4 (0.97x); both plans reused (what every layer after a step's first runs) 254.4
+// against 233.4 (0.92x) and 909.7 against 875.4 (0.96x).
 // Where the time goes (ncu, h_q=128, before the last step): the kernel 283 us against FlashMLA's
 // 227 with the same DRAM bytes; equal time waiting on TMA tiles, but more fixed-latency stalls
 // (MUFU sequences, index and mask arithmetic), warpgroup waits and wgmma issue, the epilogue's
@@ -115,8 +121,9 @@ struct Smem {
 
 #if defined(MLA_SM90A_DEVICE)
 
-// Issues S (+)= Q K^T over tiles [t0, t1) of buffer `buf`, each tile once its TMA has landed, as
-// one wgmma group (the first tile of a block overwrites S). kLateFirstHalf: visit the tiles from the
+// Issues S (+)= Q K^T over tiles [t0, t1) of buffer `buf`, each tile once its TMA has landed, one
+// wgmma group per tile, so that a wait for an earlier group leaves the tiles queued (the first
+// tile of a block overwrites S). kLateFirstHalf: visit the tiles from the
 // V tile 4 on and tiles 0-3 (then the RoPE tile) last, which is the order they are reloaded in K1.
 template <typename T, int D, bool kLateFirstHalf = false>
 __device__ __forceinline__ void qk_issue(Smem<D>& sm, int buf, uint32_t parity, int t0, int t1, float (&s)[32]) {
@@ -133,8 +140,8 @@ __device__ __forceinline__ void qk_issue(Smem<D>& sm, int buf, uint32_t parity, 
     for (int kk = 0; kk < 4; ++kk)
       wgmma_ss_k<T>(s, desc_offset(dq, t * kTileBytes + kk * 32), desc_offset(dk, t * kTileBytes + kk * 32),
                     i > t0 || kk > 0 || t0 > 0);
+    wgmma_commit();
   }
-  wgmma_commit();
 }
 
 // Zeroes key rows [valid, 64) of V tiles [t0, t0 + 4) of `buf` (the garbage, maybe NaN, past a
@@ -332,18 +339,18 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_kernel(const __grid_
 #pragma unroll
         for (int h = 0; h < 2; ++h) s1[h] = sm.s1[rr[h]], m_prev[h] = sm.m[rr[h]];
         const bool rescale1 = __any_sync(0xffffffffu, s1[0] != 1.f || s1[1] != 1.f);
+        // P0 s1 only where WG1's max moved (rare once the max settles): a branch around the whole
+        // rescale, not a predicate on each element (which would issue it every pair).
+        if (rescale1) {
 #pragma unroll
-        for (int kk = 0; kk < 4; ++kk)
+          for (int kk = 0; kk < 4; ++kk)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int h = e % 2;
-            uint32_t v = pa[kk][e];
-            if (rescale1) {
-              const float2 f = unpack<T>(v);
-              v = ptx::pack2<T>(f.x * s1[h], f.y * s1[h]);
+            for (int e = 0; e < 4; ++e) {
+              const float2 f = unpack<T>(pa[kk][e]);
+              pa[kk][e] = ptx::pack2<T>(f.x * s1[e % 2], f.y * s1[e % 2]);
             }
-            *reinterpret_cast<uint32_t*>(sm.p(0) + swz(rr[h], kk * 16 + (e / 2) * 8 + 2 * t4)) = v;
-          }
+        }
+        store_p(sm.p(0), pa, warp, lane);
         fence_proxy_async();
         named_arrive(kBarP0, kThreads);
 #pragma unroll
@@ -357,9 +364,12 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_kernel(const __grid_
         named_sync(kBarV0RIssued, kThreads);
         if (rescale1) scale_rows(o, s1[0], s1[1]);
         if (has1) pv_ss<T>(sm.p(1), sm.k[1][0], o);
-        if (next0) qk_issue<T, D>(sm, 0, parity(0, jp + 1), 0, kVTilesPerWg, s);
+        // S0's first kS0Early tiles go behind it, one wgmma group each, so that the wait for O_L's
+        // group leaves them queued.
+        constexpr int kS0Early = kVTilesPerWg;
+        if (next0) qk_issue<T, D>(sm, 0, parity(0, jp + 1), 0, kS0Early, s);
         if (has1) {
-          if (next0) wgmma_wait<1>(); else wgmma_wait<0>();
+          if (next0) wgmma_wait<kS0Early>(); else wgmma_wait<0>();
           fence_regs(o);
           // K1's V1L tiles (and, at D = 576, P1 in its RoPE tile) are free once WG1 has read P1 too.
           if constexpr (Smem<D>::kPInRope) named_sync(kBarP1Read, kThreads);
@@ -368,7 +378,7 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_kernel(const __grid_
             if (kTiles > 2 * kVTilesPerWg) load_tiles(1, nxt1, 2 * kVTilesPerWg, kTiles);
           }
         }
-        if (next0) qk_issue<T, D>(sm, 0, parity(0, jp + 1), kVTilesPerWg, kTiles, s);
+        if (next0) qk_issue<T, D>(sm, 0, parity(0, jp + 1), kS0Early, kTiles, s);
         wgmma_wait<0>();
         fence_regs(o);
         fence_regs(s);
@@ -401,11 +411,7 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_kernel(const __grid_
           // P1 into shared memory, for WG0's O_L += P1 V1L and this warpgroup's O_R += P1 V1R
           // alike: P leaves the registers before the two P V of this warpgroup are queued.
           uint8_t* p1 = sm.p(1);
-#pragma unroll
-          for (int kk = 0; kk < 4; ++kk)
-#pragma unroll
-            for (int e = 0; e < 4; ++e)
-              *reinterpret_cast<uint32_t*>(p1 + swz(rr[e % 2], kk * 16 + (e / 2) * 8 + 2 * t4)) = pa[kk][e];
+          store_p(p1, pa, warp, lane);
           fence_proxy_async();
           named_sync(kBarWg1, 128);
           pv_ss<T>(p1, sm.k[1][kVTilesPerWg], o);

@@ -22,6 +22,24 @@ constexpr int kM64OTiles = 32;           // n8 tiles of a warpgroup's 64 x 256 o
 // Byte offset of element (r, c) (c even: a pair) in a 64 x 64 tile with the 128-byte swizzle.
 __device__ __forceinline__ int swz(int r, int c) { return r * 128 + ((((c >> 3) ^ (r & 7))) << 4) + (c & 7) * 2; }
 
+#if defined(MLA_SM90A_DEVICE)
+// Stores warp `warp`'s P (rows 16 warp .. + 15 of a 64 x 64 16-bit tile in the 128-byte swizzle;
+// pa as pack_p makes it: pa[kk][e] holds row 16 warp + g + 8 (e % 2), keys 16 kk + 8 (e / 2) + 2 t4
+// and + 1) with four stmatrix.x4, one per 16 keys, where sixteen 4-byte stores would each need an
+// address. Lane 8 j + i names row i of matrix j: the rows' half j % 2, the keys' half j / 2.
+__device__ __forceinline__ void store_p(uint8_t* tile, const uint32_t (&pa)[4][4], int warp, int lane) {
+  const int j = lane / 8, row = warp * 16 + (j % 2) * 8 + lane % 8;
+  const uint32_t base = smem_addr(tile) + uint32_t(row) * 128u;
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) {
+    const uint32_t addr = base + (uint32_t((2 * kk + j / 2) ^ (row & 7)) << 4);
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(pa[kk][0]),
+                 "r"(pa[kk][1]), "r"(pa[kk][2]), "r"(pa[kk][3])
+                 : "memory");
+  }
+}
+#endif
+
 template <typename T>
 __device__ __forceinline__ float2 unpack(uint32_t v) {
   if constexpr (std::is_same_v<T, __half>) return __half22float2(*reinterpret_cast<const __half2*>(&v));
