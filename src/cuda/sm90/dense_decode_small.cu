@@ -30,6 +30,9 @@
 // Ninth session, FlashMLA alternated in one run: 308.1 us (92.1% of copy; FlashMLA 325.1, 1.06x).
 // Measured slower there: refilling each V tile as its products end (318.0 against 305.0) and
 // three key buffers with the RoPE tile in its own slot (321.7).
+// Tenth session, FlashMLA alternated: whole call 305.4 us (92.9% of copy; FlashMLA 318.8, 1.04x);
+// both plans reused 301.3 (94.2%) against FlashMLA's 280.1 (0.93x): its padded 64-row kernel reads
+// the keys at 101% of the copy ceiling (which counts bytes read and written).
 // Before exp2_ftz 334-361 us; the 64-row Hopper kernel 364-386 us. Tried and measured slower (~470 us):
 // the key tiles in one ring of 25 slots refilled as they free (up to three blocks in flight); the
 // loss was in the wgmma chain, not in the loads.

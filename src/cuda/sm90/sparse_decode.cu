@@ -42,6 +42,10 @@
 // (FlashMLA's ~174). Ninth session, FlashMLA alternated, after the combine sized by warps (188.9
 // -> 180.9 alone): V3.2 182.7 (197.3, 1.08x), MODEL1 96.0 (105.9, 1.10x), s_q=2 b=128 348.8
 // (359.7, 1.03x), b=32 99.5 (99.2, 1.00x); then the planner's fast path 182.1 -> 178.4 alone.
+// Tenth session, FlashMLA alternated: whole calls V3.2 179.4 (196.9, 1.10x), MODEL1 93.4 (106.7,
+// 1.14x), s_q=2 b=128 345.0 (359.6, 1.04x), b=32 97.2 (99.2, 1.02x); both plans reused V3.2 172.9
+// (173.7, 1.00x), MODEL1 85.9 (83.6, 0.97x), s_q=2 b=128 336.1 (341.9, 1.02x), b=32 91.7 (88.4,
+// 0.96x): the kernels are level with FlashMLA's, not faster.
 // Steps: the crossover 515 -> 357 us; st.async
 // instead of cluster-scope fences and acquires 357 -> 316; the producer's per-thread store offsets,
 // index a step ahead, lengths once per request and cache as a flag 316 -> 237; the peer's half by

@@ -43,6 +43,12 @@
 // slower there: three key buffers with S^T(j+1) issued before O^T(j) is waited for (MODEL1 48.5
 // -> 52.4) and the RoPE part of S^T from consumer registers with 8-tile buffers (V3.2 90.5 ->
 // 115.6).
+// Tenth session, FlashMLA alternated: whole calls MODEL1 h_q=16 48.7 us (106.8, 2.19x), V3.2 89.7
+// (154.4, 1.72x), h_q=32 69.8 (109.6, 1.57x); both plans reused 42.8 (71.7, 1.68x), 81.6 (117.0,
+// 1.43x), 61.5 (77.2, 1.25x). Where a CTA's time goes (MODEL1 h_q=16, globaltimer stamps, a
+// diagnostic build): the plan 5.9 us; Q staged 1.5-2.5 us after it; the first block stored by the
+// producers 6.1 us after it and consumed at 6.4; then about 3.3 us per block (10 blocks: 39.3 us).
+// The plan alone takes 5.3 us here (4.7 at h_q=128): whole against reused 46.0 -> 39.5 us.
 #include <cuda_runtime.h>
 
 #include <cstdint>
