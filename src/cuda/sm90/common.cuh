@@ -77,10 +77,15 @@ __device__ __forceinline__ bool rows_16b_aligned(const void* base, int64_t strid
 // for a row past the call's rows (zero); row 0 is always live. Each row belongs to kThreads / kRows
 // threads, which take its 16-byte chunks in turn, so that row_src (a division by the heads per group
 // in the dense kernels) runs once per thread rather than once per chunk.
-// vec: every row 16-byte aligned. Ends with the proxy fence; the caller synchronises the threads
-// that wrote.
-template <typename T, int D, int kRows, int kThreads, typename RowSrc>
-__device__ __forceinline__ void stage_rows(const RowSrc& row_src, bool vec, uint8_t* q_tiles, int tid) {
+// vec: every row 16-byte aligned. issued() runs in every thread once its copies are in flight,
+// before it waits for them (loads the caller wants queued right behind Q's). Ends with the proxy
+// fence; the caller synchronises the threads that wrote.
+struct NothingMore {
+  __device__ void operator()() const {}
+};
+template <typename T, int D, int kRows, int kThreads, typename RowSrc, typename Issued = NothingMore>
+__device__ __forceinline__ void stage_rows(const RowSrc& row_src, bool vec, uint8_t* q_tiles, int tid,
+                                           const Issued& issued = {}) {
   constexpr int kChunks = D / 8;  // 16-byte chunks per row
   constexpr int kPerRow = kThreads / kRows;
   static_assert(kThreads % kRows == 0 && kChunks % kPerRow == 0, "whole rows per thread group");
@@ -97,8 +102,10 @@ __device__ __forceinline__ void stage_rows(const RowSrc& row_src, bool vec, uint
 #pragma unroll 6
     for (int ch = tid % kPerRow; ch < kChunks; ch += kPerRow)
       cp_async_16(row + (ch / 8) * kRows * 128 + (((ch % 8) ^ sw) << 4), from + ch * 8, bytes);
+    issued();
     cp_async_wait_all();
   } else {
+    issued();
     for (int ch = tid % kPerRow; ch < kChunks; ch += kPerRow) {
       uint4 v = make_uint4(0, 0, 0, 0);
       if (src) {
@@ -116,9 +123,9 @@ __device__ __forceinline__ void stage_rows(const RowSrc& row_src, bool vec, uint
 
 // Query rows [row_base, row_base + kRows) of KV head `group` of request req (row r: token
 // r / (h_q / h_k), head group * h_q / h_k + r % (h_q / h_k)), staged as stage_rows does.
-template <typename T, int D, int kRows, int kThreads>
+template <typename T, int D, int kRows, int kThreads, typename Issued = NothingMore>
 __device__ __forceinline__ void stage_q(const DenseDecodeParams& p, int req, int group, int row_base, uint8_t* q_tiles,
-                                        int tid) {
+                                        int tid, const Issued& issued = {}) {
   const int hpg = p.h_q / p.h_k, num_rows = p.s_q * hpg;
   const T* q = static_cast<const T*>(p.q);
   const bool vec = rows_16b_aligned(q, p.q_stride_b, p.q_stride_s, p.q_stride_h);
@@ -128,7 +135,7 @@ __device__ __forceinline__ void stage_q(const DenseDecodeParams& p, int req, int
         if (row >= num_rows) return nullptr;
         return q + req * p.q_stride_b + (row / hpg) * p.q_stride_s + (group * hpg + row % hpg) * p.q_stride_h;
       },
-      vec, q_tiles, tid);
+      vec, q_tiles, tid, issued);
 }
 
 // Launches kernel<<<grid, threads, smem, stream>>>(args) as a programmatic dependent of the work

@@ -4,7 +4,9 @@
 //
 // Schedule (256 threads = two warpgroups, one CTA per (64-row tile, KV head, plan part), a
 // persistent loop over the part's pieces; one CTA per SM):
-//   * Q (64 x D) is copied into shared memory once per piece in the 128-byte swizzle;
+//   * Q (64 x D) is copied into shared memory once per piece in the 128-byte swizzle (cp.async), the
+//     piece's first two blocks' TMA loads issued right behind Q's copies; the next piece's Q and
+//     first blocks are staged in a piece's epilogue, whose global stores run before the wait for Q;
 //   * keys come in 64-token blocks (one page) through TMA, 64 x 64 tiles completing on one
 //     mbarrier each, into two buffers K0 / K1 (V is the first 512 columns of the same rows);
 //   * the two warpgroups take the blocks of a pair in turn and share one running max per row
@@ -57,7 +59,11 @@
 // 895 -> 868 (ours alone, alternated); keys kept evict_normal where 64-row tiles share them lost
 // (268.5 -> 276). With FlashMLA alternated: 271.0 against 264.2 (0.97x), s_q=2 causal 908.8
 // against 880.4 (0.97x); both plans reused (what every layer after a step's first runs) 254.4
-// against 233.4 (0.92x) and 909.7 against 875.4 (0.96x).
+// against 233.4 (0.92x) and 909.7 against 875.4 (0.96x). Then the next piece staged in the
+// epilogue, with its first blocks behind Q (plan reused, ours alone, alternated twice): h_q=128
+// varlen 253.8 / 253.6 -> 251.0 / 250.3 us, b=1 s_k=512 12.6 / 12.9 -> 12.5 / 12.2, b=8 s_k=1024
+// 20.9 / 20.5 -> 20.6 / 20.3. WG1's O_R += P1 V1R from registers on top of it: 252.1 / 251.4 (not
+// kept; ptxas spills 16 bytes, once per piece).
 // Where the time goes (ncu, h_q=128, before the last step): the kernel 283 us against FlashMLA's
 // 227 with the same DRAM bytes; equal time waiting on TMA tiles, but more fixed-latency stalls
 // (MUFU sequences, index and mask arithmetic), warpgroup waits and wgmma issue, the epilogue's
@@ -206,21 +212,30 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_kernel(const __grid_
 
   uint32_t rounds[2] = {0, 0};  // loads issued into each buffer so far (mbarrier phases)
   const int num_pieces = decode_io::num_pieces(p.split, p.b, part);
+  // A piece's Q -> shared memory (swizzled; rows past the tile's live rows zero), with its first two
+  // blocks' loads (both buffers are free) right behind Q's copies and then `also`, all before the
+  // wait for Q: the block-table reads and the keys' latency overlap Q's, and Q, queued first, is
+  // not held up behind 144 KB of keys. A piece is staged by the epilogue of the piece before it.
+  auto stage_piece = [&](const DensePiece& x, const auto& also) {
+    const int32_t* x_table = p.block_table + int64_t(x.req) * p.block_table_stride;
+    stage_q<T, D, kBlockM, kThreads>(p, x.req, group, row_base, sm.q[0], tid, [&] {
+      if (tid == 0) {
+        if (x.n_blocks > 0) load_tiles(0, dense_page(p, x_table, x.block_begin), 0, kTiles);
+        if (x.n_blocks > 1) load_tiles(1, dense_page(p, x_table, x.block_begin + 1), 0, kTiles);
+      }
+      also();
+    });
+  };
+  DensePiece pc = {};
+  if (num_pieces > 0) {
+    pc = dense_piece(p, plan, part, 0, kBlockN);
+    stage_piece(pc, [] {});
+  }
   for (int k = 0; k < num_pieces; ++k) {
-    const DensePiece pc = dense_piece(p, plan, part, k, kBlockN);
     const int i = pc.req, len = pc.len, block_begin = pc.block_begin, n_blocks = pc.n_blocks;
     const int32_t* table = p.block_table + int64_t(i) * p.block_table_stride;
     auto page_of = [&](int kb) { return dense_page(p, table, kb); };
-    __syncthreads();  // the previous piece is done with Q, P and both buffers
-
-    // ---- Q -> shared memory (swizzled), rows past the tile's live rows zero ------------------
-    stage_q<T, D, kBlockM, kThreads>(p, i, group, row_base, sm.q[0], tid);
-    __syncthreads();
-
-    if (tid == 0) {
-      if (n_blocks > 0) load_tiles(0, page_of(block_begin), 0, kTiles);
-      if (n_blocks > 1) load_tiles(1, page_of(block_begin + 1), 0, kTiles);
-    }
+    __syncthreads();  // Q staged, every thread's copies landed
 
     // The last key position each row may see (bottom-right causal for s_q > 1).
     int row_limit[2];
@@ -458,17 +473,30 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_kernel(const __grid_
       l_own[h] += __shfl_xor_sync(0xffffffffu, l_own[h], 2);
       if (t4 == 0) sm.l[wg][rr[h]] = l_own[h];
     }
-    __syncthreads();
+    __syncthreads();  // sm.l; and every product of the piece is done with Q, P and both buffers
+    float l[2];
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int row = row_base + rr[h];
-      if (row >= num_rows) continue;
-      const float l = sm.l[0][rr[h]] + sm.l[1][rr[h]];
-      const int s = row / hpg, head = group * hpg + row % hpg;
-      decode_io::store_row<kM64OTiles, T>(p.o, p.split, p.b, p.s_q, p.h_q, i, pc.is_split, pc.split_index, s, head,
-                                        wg * 256, t4,
-                                        [&](int n) { return make_float2(o[4 * n + 2 * h], o[4 * n + 2 * h + 1]); },
-                                        m_prev[h], l, 1.f, -INFINITY, wg == 0 && t4 == 0);
+    for (int h = 0; h < 2; ++h) l[h] = sm.l[0][rr[h]] + sm.l[1][rr[h]];
+    auto store_piece = [&] {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = row_base + rr[h];
+        if (row >= num_rows) continue;
+        const int s = row / hpg, head = group * hpg + row % hpg;
+        decode_io::store_row<kM64OTiles, T>(p.o, p.split, p.b, p.s_q, p.h_q, i, pc.is_split, pc.split_index, s, head,
+                                          wg * 256, t4,
+                                          [&](int n) { return make_float2(o[4 * n + 2 * h], o[4 * n + 2 * h + 1]); },
+                                          m_prev[h], l[h], 1.f, -INFINITY, wg == 0 && t4 == 0);
+      }
+    };
+    // The next piece's Q and first blocks go out before this piece's stores, which then overlap
+    // their latency.
+    if (k + 1 < num_pieces) {
+      const DensePiece nx = dense_piece(p, plan, part, k + 1, kBlockN);
+      stage_piece(nx, store_piece);
+      pc = nx;
+    } else {
+      store_piece();
     }
   }
 #endif  // MLA_SM90A_DEVICE
