@@ -19,7 +19,7 @@ namespace mla::cuda::sm90 {
 constexpr int kM64TileBytes = 64 * 128;  // a 64 x 64 tile of 16-bit elements
 constexpr int kM64OTiles = 32;           // n8 tiles of a warpgroup's 64 x 256 output
 
-// Byte offset of element (r, c) (c even: a pair) in a 64 x 64 tile with the 128-byte swizzle.
+// Byte offset of 16-bit element (r, c) in a tile of 128-byte rows (64 x 64) with the 128-byte swizzle.
 __device__ __forceinline__ int swz(int r, int c) { return r * 128 + ((((c >> 3) ^ (r & 7))) << 4) + (c & 7) * 2; }
 
 #if defined(MLA_SM90A_DEVICE)

@@ -36,9 +36,6 @@ __device__ __forceinline__ T small_from_float(float v) {
   else return __float2bfloat16_rn(v);
 }
 
-// Byte offset of element (r, c) in a tile of 128-byte rows with the 128-byte swizzle.
-__device__ __forceinline__ int small_swz(int r, int c) { return r * 128 + ((((c >> 3) ^ (r & 7))) << 4) + (c & 7) * 2; }
-
 #if defined(MLA_SM90A_DEVICE)
 
 // k_tile(t): the shared-memory address of key tile t (0 <= t < kTiles).
@@ -125,7 +122,7 @@ __device__ __forceinline__ void small_softmax(float (&s)[N / 2], const float (*w
         float& v = s[4 * n + 2 * hk + e];
         v = exp2_ftz(v - base);
         sum += v;
-        *reinterpret_cast<T*>(p + small_swz(c, key_lo + 8 * hk)) = small_from_float<T>(v);
+        *reinterpret_cast<T*>(p + swz(c, key_lo + 8 * hk)) = small_from_float<T>(v);
       }
       l_part[n][e] = l_part[n][e] * alpha[n][e] + sum;
     }
