@@ -78,8 +78,9 @@ __device__ __forceinline__ bool rows_16b_aligned(const void* base, int64_t strid
 // threads, which take its 16-byte chunks in turn, so that row_src (a division by the heads per group
 // in the dense kernels) runs once per thread rather than once per chunk.
 // vec: every row 16-byte aligned. issued() runs in every thread once its copies are in flight,
-// before it waits for them (loads the caller wants queued right behind Q's). Ends with the proxy
-// fence; the caller synchronises the threads that wrote.
+// before it waits for them (loads the caller wants queued right behind Q's); without vec the
+// copies are plain loads and stores, and issued() runs before them. Ends with the proxy fence; the
+// caller synchronises the threads that wrote.
 struct NothingMore {
   __device__ void operator()() const {}
 };
