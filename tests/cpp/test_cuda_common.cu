@@ -258,6 +258,14 @@ TEST(CudaCombine, ManySplitsOfOneLongRequest) {
   // flight) beside a short one, 128 heads; then 70 heads (not a multiple of a CTA's heads).
   expect_combine_matches_host({65536, 100}, 1, 128, 132, 6);
   expect_combine_matches_host({20000, 3000, 40000}, 2, 70, 101, 7);
+  // The same long request among short ones, so that a warp takes two quarters (24 requests of 128
+  // heads: 3072 rows), then all four (40 requests, s_q = 2: 10240 rows): batches of four and two
+  // splits cross the 32-split rounds of the lse weights.
+  for (int b : {24, 40}) {
+    std::vector<int32_t> lens(b, 70);
+    lens[b / 2] = 65536;
+    expect_combine_matches_host(lens, b == 24 ? 1 : 2, 128, 132, 10 + b);
+  }
 }
 
 TEST(CudaCombine, ManyRequests) {

@@ -4,11 +4,17 @@
 // Grid (b * s_q, ceil(h_q / 4), 1, 2 or 4), 128 threads: one warp per (request, query row, head)
 // and one, two or all four quarters of the 512 output columns, so that a batch of a few long
 // requests (b = 1, 128 heads, 132 splits: 35 MB of partials) still spreads its reads over every SM
-// while a large batch does not launch four times the CTAs. The lanes reduce the split lse values
-// (any number of splits: no compiled maximum) and each lane computes the weight of one split in
-// every 32; then each lane owns one float4 of a quarter and accumulates the weighted partials,
-// eight splits' loads in flight at a time, in split order. Requests with a single piece were
-// written by the attention kernel and are skipped.
+// while a large batch does not launch four times the CTAs. Each lane owns one float4 of each of
+// the warp's quarters.
+//
+// A warp's work is a short chain of memory latencies (the split range, the split lse values, the
+// partial rows, the store), and in a large batch most requests have two or three splits: the chain,
+// not the bytes, sets the time. So the warp loads its first batch of partial rows (eight float4 per
+// lane: every quarter of two splits, or one quarter of eight) before it reduces the lse values,
+// which do not gate the loads, and a batch covers the warp's quarters of a split together. The
+// lanes reduce the lse values of any number of splits (no compiled maximum); lane k holds the
+// weight of split k in every 32. Partials are accumulated in split order. Requests with a single
+// piece were written by the attention kernel and are skipped.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -24,10 +30,10 @@ constexpr int kWarpSize = 32;
 constexpr int kHeadsPerCta = 4;
 constexpr int kThreads = kHeadsPerCta * kWarpSize;
 constexpr int kColumnGroups = kHeadDimV / (4 * kWarpSize);  // a warp's lanes own one float4 each
-static_assert(kHeadDimV % (4 * kWarpSize) == 0, "each lane owns whole float4 columns of d_v");
+static_assert(kColumnGroups == 4 && kHeadDimV % (4 * kWarpSize) == 0, "d_v is four quarters of one float4 per lane");
 constexpr long long kSpreadWarps = 8192;  // warps up to which the quarters go to separate warps
-constexpr int kSplitsInFlight = 8;  // partial rows loaded before the first is accumulated
-static_assert(kWarpSize % kSplitsInFlight == 0, "a batch of loads never crosses a 32-split round");
+constexpr int kLoadsInFlight = 8;  // float4 loads per lane in one batch of partial rows
+constexpr int kMinCtasPerSm = 8;   // 64 registers: 32 warps per SM keep their chains in flight
 
 __device__ __forceinline__ float warp_max(float v) {
   for (int o = kWarpSize / 2; o > 0; o /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
@@ -48,11 +54,13 @@ __device__ __forceinline__ void store4(__half* dst, float4 v) {
   reinterpret_cast<__half2*>(dst)[1] = __floats2half2_rn(v.z, v.w);
 }
 
-template <typename OutT>
-__global__ void __launch_bounds__(kThreads) combine_kernel(CombineParams p) {
+template <typename OutT, int kQuarters>
+__global__ void __launch_bounds__(kThreads, kMinCtasPerSm) combine_kernel(CombineParams p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   cudaGridDependencySynchronize();  // the attention kernel's partials are complete
 #endif
+  constexpr int kBatch = kLoadsInFlight / kQuarters;  // splits per batch of loads
+  static_assert(kBatch * kQuarters == kLoadsInFlight && kWarpSize % kBatch == 0, "a batch never crosses a 32-split round");
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
   const int i = blockIdx.x / p.s_q, s = blockIdx.x % p.s_q;
   const int h = blockIdx.y * kHeadsPerCta + warp;
@@ -62,13 +70,30 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(CombineParams p) {
   // Split rows live in [0, b + num_sm_parts): a foreign num_splits must not read outside them.
   if (n <= 1 || first < 0 || first + n > p.b + p.split.num_sm_parts) return;
   auto row = [&](int k) { return (int64_t(first + k) * p.s_q + s) * p.h_q + h; };
+  // This warp's quarters are blockIdx.z, blockIdx.z + gridDim.z, ... (gridDim.z * kQuarters == kColumnGroups).
+  int col[kQuarters];
+#pragma unroll
+  for (int q = 0; q < kQuarters; ++q) col[q] = ((blockIdx.z + q * gridDim.z) * kWarpSize + lane) * 4;
+  float4 v[kBatch][kQuarters];
+  auto load_batch = [&](int k0) {
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      if (k0 + u < n) {
+        const float* src = p.split.o_accum + row(k0 + u) * kHeadDimV;
+#pragma unroll
+        for (int q = 0; q < kQuarters; ++q) v[u][q] = __ldcs(reinterpret_cast<const float4*>(src + col[q]));
+      }
+    }
+  };
+  load_batch(0);  // in flight while the lse values are read and reduced
 
-  float m = -INFINITY;
-  for (int k = lane; k < n; k += kWarpSize) m = fmaxf(m, p.split.lse_accum[row(k)]);
+  const float lse0 = lane < n ? p.split.lse_accum[row(lane)] : -INFINITY;
+  float m = lse0;
+  for (int k = lane + kWarpSize; k < n; k += kWarpSize) m = fmaxf(m, p.split.lse_accum[row(k)]);
   m = warp_max(m);
   if (m == -INFINITY) m = 0.f;
-  float sum = 0.f;
-  for (int k = lane; k < n; k += kWarpSize) sum += exp2f(p.split.lse_accum[row(k)] - m);
+  float sum = lane < n ? exp2f(lse0 - m) : 0.f;
+  for (int k = lane + kWarpSize; k < n; k += kWarpSize) sum += exp2f(p.split.lse_accum[row(k)] - m);
   sum = warp_sum(sum);
   float g = sum == 0.f ? INFINITY : log2f(sum) + m;
   if (lane == 0 && blockIdx.z == 0) p.o.lse[i * p.o.lse_stride_b + s * p.o.lse_stride_s + h * p.o.lse_stride_h] = g * kLn2;
@@ -76,28 +101,29 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(CombineParams p) {
   const float sink2 = p.attn_sink ? p.attn_sink[h] * kLog2e : -INFINITY;
   g = g != INFINITY ? g + log2f(1.f + exp2f(sink2 - g)) : (sink2 == -INFINITY ? INFINITY : sink2);
 
-  for (int group = blockIdx.z; group < kColumnGroups; group += gridDim.z) {
-    const int col = (group * kWarpSize + lane) * 4;
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-    for (int base = 0; base < n; base += kWarpSize) {
-      const int count = min(n - base, kWarpSize);
-      const float lane_w = lane < count ? exp2f(p.split.lse_accum[row(base + lane)] - g) : 0.f;
-      for (int k0 = 0; k0 < count; k0 += kSplitsInFlight) {
-        float4 v[kSplitsInFlight];
+  float4 acc[kQuarters];
 #pragma unroll
-        for (int u = 0; u < kSplitsInFlight; ++u)
-          if (k0 + u < count) v[u] = *reinterpret_cast<const float4*>(p.split.o_accum + row(base + k0 + u) * kHeadDimV + col);
+  for (int q = 0; q < kQuarters; ++q) acc[q] = make_float4(0.f, 0.f, 0.f, 0.f);
+  float lane_w = lane < n ? exp2f(lse0 - g) : 0.f;
+  for (int k0 = 0; k0 < n; k0 += kBatch) {
+    if (k0 != 0) {
+      if (k0 % kWarpSize == 0) lane_w = k0 + lane < n ? exp2f(p.split.lse_accum[row(k0 + lane)] - g) : 0.f;
+      load_batch(k0);
+    }
 #pragma unroll
-        for (int u = 0; u < kSplitsInFlight; ++u) {
-          const float w = __shfl_sync(0xffffffffu, lane_w, k0 + u);
-          // A split of weight 0 (no key, lse -inf) adds nothing, whatever its partial row holds.
-          if (k0 + u < count && w != 0.f) acc.x += w * v[u].x, acc.y += w * v[u].y, acc.z += w * v[u].z, acc.w += w * v[u].w;
-        }
+    for (int u = 0; u < kBatch; ++u) {
+      const float w = __shfl_sync(0xffffffffu, lane_w, (k0 + u) % kWarpSize);
+      // A split of weight 0 (no key, lse -inf) adds nothing, whatever its partial row holds.
+      if (k0 + u < n && w != 0.f) {
+#pragma unroll
+        for (int q = 0; q < kQuarters; ++q)
+          acc[q].x += w * v[u][q].x, acc[q].y += w * v[u][q].y, acc[q].z += w * v[u][q].z, acc[q].w += w * v[u][q].w;
       }
     }
-    OutT* out = static_cast<OutT*>(p.o.out) + i * p.o.out_stride_b + s * p.o.out_stride_s + h * p.o.out_stride_h;
-    store4(out + col, acc);
   }
+  OutT* out = static_cast<OutT*>(p.o.out) + i * p.o.out_stride_b + s * p.o.out_stride_s + h * p.o.out_stride_h;
+#pragma unroll
+  for (int q = 0; q < kQuarters; ++q) store4(out + col[q], acc[q]);
 }
 
 }  // namespace
@@ -119,8 +145,12 @@ cudaError_t combine(const CombineParams& p, cudaStream_t stream, bool pdl) {
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   config.attrs = attr;
   config.numAttrs = pdl && programmatic_launch() ? 1 : 0;
-  if (p.o.out_dtype == DType::kFP16) return cudaLaunchKernelEx(&config, combine_kernel<__half>, p);
-  return cudaLaunchKernelEx(&config, combine_kernel<__nv_bfloat16>, p);
+  const bool fp16 = p.o.out_dtype == DType::kFP16;
+  switch (groups) {
+    case 4: return cudaLaunchKernelEx(&config, fp16 ? combine_kernel<__half, 1> : combine_kernel<__nv_bfloat16, 1>, p);
+    case 2: return cudaLaunchKernelEx(&config, fp16 ? combine_kernel<__half, 2> : combine_kernel<__nv_bfloat16, 2>, p);
+    default: return cudaLaunchKernelEx(&config, fp16 ? combine_kernel<__half, 4> : combine_kernel<__nv_bfloat16, 4>, p);
+  }
 }
 
 }  // namespace mla::cuda
