@@ -18,7 +18,7 @@
 //
 // H200, plan reused: before this order (one quarter after another, the lse read first) the combine
 // took 17.8 us under ncu on dense b=128 h_q=128 s_k=4096 varlen (FlashMLA's 11.4) and 14.8 on
-// sparse MODEL1 b=128 h_q=128 (9.0); with it the whole calls went 254 -> 245 us and 84.5 -> 77.8.
+// sparse MODEL1 b=128 h_q=128 (9.0); with it the API calls went 254 -> 245 us and 84.5 -> 77.8.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
