@@ -10,6 +10,9 @@ FLOPs = 2 * h_q * s_q * sum(attended keys) * (d_qk + d_v); bytes = q + attended 
 Usage: python3 bench/bench_decode.py [--cases NAME,...] [--no-torch] [--impls default,portable]
                                      [--flashmla DIR] [--reuse-plan]
 
+NAME is a case of CASES, or any dense shape spelled the same way:
+dense_b<b>[_sq<s_q>]_h<h_q>_sk<s_k>[_causal][_varlen].
+
 --reuse-plan times what every layer of a step after the first runs: the call with a plan made once
 before the timing (FlashMLA's scheduler object, or ours, initialised by the warm-up call).
 """
@@ -17,6 +20,7 @@ before the timing (FlashMLA's scheduler object, or ours, initialised by the warm
 import argparse
 import math
 import os
+import re
 import statistics
 import sys
 import zlib
@@ -252,6 +256,22 @@ CASES = {
 }
 
 
+DENSE_NAME = re.compile(r"dense_b(\d+)(?:_sq(\d+))?_h(\d+)_sk(\d+)(_causal)?(_varlen)?")
+
+
+def case_by_name(name):
+    """A named case, or any dense shape spelled like the named ones: dense_b<b>[_sq<s_q>]_h<h_q>_sk<s_k>
+    [_causal][_varlen] (lengths all s_k unless _varlen), for sweeps beyond the fixed list."""
+    if name in CASES:
+        return CASES[name]
+    m = DENSE_NAME.fullmatch(name)
+    if not m:
+        raise SystemExit(f"unknown case {name!r}: one of {', '.join(CASES)} or dense_b<b>[_sq<s_q>]_h<h>_sk<s_k>"
+                         "[_causal][_varlen]")
+    b, s_q, h_q, s_k = int(m[1]), int(m[2] or 1), int(m[3]), int(m[4])
+    return lambda **kw: dense_case(b, s_q, h_q, s_k, bool(m[5]), fixed=not m[6], **kw)
+
+
 def load_flashmla(path):
     """FlashMLA's Python package built from source outside this repository (`path` holds the
     `flash_mla` package with its compiled extension); its API is the one ours mirrors."""
@@ -287,12 +307,13 @@ def main():
     for name in args.cases.split(","):
         seed = zlib.crc32(name.encode())
         torch.manual_seed(seed)  # both libraries get the same inputs
-        ours, plain, flops, bytes_ = CASES[name]()
+        case = case_by_name(name)
+        ours, plain, flops, bytes_ = case()
         t_fm, g_fm = float("nan"), None
         if fm:
             torch.manual_seed(seed)
             try:
-                theirs, _, _, _ = CASES[name](api=fm)
+                theirs, _, _, _ = case(api=fm)
                 g_fm = capture(theirs)
             except (AttributeError, RuntimeError, AssertionError) as e:  # a call FlashMLA does not offer
                 print(f"# FlashMLA {name}: {type(e).__name__}: {str(e).splitlines()[0][:100]}")

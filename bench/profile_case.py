@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_decode as B  # noqa: E402
 
 parser = argparse.ArgumentParser()
-parser.add_argument("cases", nargs="+", choices=sorted(B.CASES))
+parser.add_argument("cases", nargs="+", help="bench_decode case names (or dense_b<b>[_sq<s_q>]_h<h>_sk<s_k>[_causal][_varlen])")
 parser.add_argument("--flashmla", metavar="DIR", help="profile FlashMLA's kernels on the same inputs")
 parser.add_argument("--reuse-plan", action="store_true",
                     help="call twice with one scheduler object: the second call runs on the first's plan")
@@ -27,7 +27,7 @@ B.REUSE_PLAN = args.reuse_plan
 api = B.load_flashmla(args.flashmla) if args.flashmla else B.flash_mla
 for name in args.cases:
     torch.manual_seed(zlib.crc32(name.encode()))  # the benchmark's inputs, the same for both libraries
-    call, _, _, _ = B.CASES[name](api=api)
+    call, _, _, _ = B.case_by_name(name)(api=api)
     for _ in range(2 if args.reuse_plan else 1):
         call()
     torch.cuda.synchronize()
