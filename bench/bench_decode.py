@@ -11,7 +11,8 @@ Usage: python3 bench/bench_decode.py [--cases NAME,...] [--no-torch] [--impls de
                                      [--flashmla DIR] [--reuse-plan]
 
 NAME is a case of CASES, or any dense shape spelled the same way:
-dense_b<b>[_sq<s_q>]_h<h_q>_sk<s_k>[_causal][_varlen].
+dense_b<b>[_sq<s_q>]_h<h_q>_sk<s_k>[_causal][_varlen] (all lengths s_k unless _varlen; a name in
+CASES keeps its own definition, see case_by_name).
 
 --reuse-plan times what every layer of a step after the first runs: the call with a plan made once
 before the timing (FlashMLA's scheduler object, or ours, initialised by the warm-up call).
@@ -261,7 +262,9 @@ DENSE_NAME = re.compile(r"dense_b(\d+)(?:_sq(\d+))?_h(\d+)_sk(\d+)(_causal)?(_va
 
 def case_by_name(name):
     """A named case, or any dense shape spelled like the named ones: dense_b<b>[_sq<s_q>]_h<h_q>_sk<s_k>
-    [_causal][_varlen] (lengths all s_k unless _varlen), for sweeps beyond the fixed list."""
+    [_causal][_varlen] (lengths all s_k unless _varlen), for sweeps beyond the fixed list. A name in
+    CASES keeps its definition: dense_b4_h128_sk8192, dense_b8_h128_sk1024 and dense_b8_h128_sk32768
+    are varlen there, as in every earlier RESULTS table, although their names lack _varlen."""
     if name in CASES:
         return CASES[name]
     m = DENSE_NAME.fullmatch(name)

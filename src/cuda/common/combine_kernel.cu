@@ -150,8 +150,9 @@ cudaError_t combine(const CombineParams& p, cudaStream_t stream, bool pdl) {
   config.attrs = attr;
   config.numAttrs = pdl && programmatic_launch() ? 1 : 0;
   const bool fp16 = p.o.out_dtype == DType::kFP16;
-  switch (groups) {
-    case 4: return cudaLaunchKernelEx(&config, fp16 ? combine_kernel<__half, 1> : combine_kernel<__nv_bfloat16, 1>, p);
+  const unsigned quarters = kColumnGroups / groups;  // per warp: the kernel's kQuarters
+  switch (quarters) {
+    case 1: return cudaLaunchKernelEx(&config, fp16 ? combine_kernel<__half, 1> : combine_kernel<__nv_bfloat16, 1>, p);
     case 2: return cudaLaunchKernelEx(&config, fp16 ? combine_kernel<__half, 2> : combine_kernel<__nv_bfloat16, 2>, p);
     default: return cudaLaunchKernelEx(&config, fp16 ? combine_kernel<__half, 4> : combine_kernel<__nv_bfloat16, 4>, p);
   }
