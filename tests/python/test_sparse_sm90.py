@@ -24,6 +24,9 @@ CASES = {
     "model1_h16_extra_pg256": ("model1", 2, 2, 16, 300, 128, 256, True, (200, 1024, 64, True), "finite", 0.0, True),
     "model1_h32_pg16": ("model1", 3, 1, 32, 500, 300, 16, False, (64, 7, 2, False), "neginf", 0.1, False),
     "model1_h1_topk1": ("model1", 2, 1, 1, 100, 1, 64, False, None, "posinf", 0.0, False),
+    # Page blocks of 3 x 584 and 5 x 584 bytes: every other one only 8-byte aligned, so the warps'
+    # records mix the 16-byte and the 8-byte loads.
+    "model1_h16_pg3_extra_pg5": ("model1", 2, 1, 16, 300, 128, 3, True, (100, 40, 5, True), "mixed", 0.05, False),
     "v32_h128_topk200_tl_extra": ("v32", 3, 2, 128, 400, 200, 64, True, (150, 70, 16, True), "mixed", 0.05, True),
     "v32_h64_topk2048": ("v32", 2, 1, 64, 4096, 2048, 64, False, None, "finite", 0.0, False),
     "v32_h64_pg1": ("v32", 2, 3, 64, 90, 65, 1, True, None, "none", 0.1, False),

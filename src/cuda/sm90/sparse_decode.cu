@@ -7,10 +7,11 @@
 // Schedule (384 threads = three warpgroups, one CTA per (64-head tile, query token s, plan part),
 // persistent over the part's pieces; one CTA per SM):
 //   * warpgroup 2 produces (setmaxnreg 136): per 64-slot block, rounds of 32 tokens, four threads
-//     per token, each loading every fourth 16-byte chunk of the FP8 record (8-byte loads for
-//     MODEL1) one round ahead of its dequantisation (e4m3 * scale -> bf16, RoPE copied) into a
-//     64 x D key buffer in the 128-byte swizzle, with a validity flag per token; two buffers handed
-//     over with full / empty mbarriers (one arrival per warp);
+//     per token, each loading every fourth 16-byte chunk of the FP8 record (two 8-byte loads
+//     for a MODEL1 record in a page block that is only 8-byte aligned) one round ahead of its
+//     dequantisation (e4m3 * scale -> bf16, RoPE copied) into a 64 x D key buffer in the 128-byte
+//     swizzle, with a validity flag per token; two buffers handed over with full / empty mbarriers
+//     (one arrival per warp);
 //   * with 65 to 128 heads the token's two 64-head CTAs form a cluster: each producer takes one of
 //     the two rounds of every block, stores it into its own buffer, and each producer warp copies
 //     its eight rows of every tile into the peer's buffer with the bulk-copy engine (nine 1 KB

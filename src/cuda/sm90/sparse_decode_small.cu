@@ -8,10 +8,11 @@
 // pieces; one CTA per SM):
 //   * warpgroups 1 and 2 produce, each half of every 64-slot block, two blocks ahead at N = 16
 //     (setmaxnreg 176, three register slots of records) and one at N = 32 (136, two slots): four
-//     threads per token gather the FP8 record with 16-byte loads (8-byte for MODEL1, whose records
-//     are only 8-byte aligned), dequantise it to bf16 (exactly as the reference: e4m3 * scale
-//     rounded to bf16; RoPE copied) and store it into a 64 x D key buffer in the 128-byte swizzle,
-//     with a validity flag per token; two buffers handed over with full / empty mbarriers;
+//     threads per token gather the FP8 record with 16-byte loads (two 8-byte ones for a MODEL1
+//     record in a page block that is only 8-byte aligned), dequantise it to bf16 (exactly as the
+//     reference: e4m3 * scale rounded to bf16; RoPE copied) and store it into a 64 x D key buffer
+//     in the 128-byte swizzle, with a validity flag per token; two buffers handed over with full /
+//     empty mbarriers;
 //   * warpgroup 0 (setmaxnreg 152 at N = 16, 232 at N = 32) consumes, with the heads as wgmma's N
 //     (16 or 32; no padding to 64): S^T (64 tokens x N heads) = K Q^T, masked by the validity
 //     flags; the softmax down the columns of S^T (lanes sharing a head, then the four warps through

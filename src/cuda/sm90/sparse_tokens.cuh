@@ -125,16 +125,18 @@ __device__ __forceinline__ TokenPart<F, kParts> load_token_part(const SparseDeco
   const uint8_t* block = cache.data + int64_t(uint32_t(ref.tok) / page) * cache.stride_block;
   const int off = int(uint32_t(ref.tok) % page);
   const uint8_t* rec = block + int64_t(off) * Fm::kRecordBytes;
+  // MODEL1 records are 576 = 36 x 16 bytes apart, so they are 16-byte aligned wherever their page
+  // block is (a cache whose base and block stride are multiples of 16, as allocators give): one
+  // 16-byte load per chunk then, two 8-byte ones otherwise. V3.2 records are always aligned.
+  static_assert(Fm::kRecordBytes % 16 == 0, "records are 16-byte multiples");
+  const bool aligned = Fm::kV32 || (reinterpret_cast<uintptr_t>(block) & 15) == 0;
+  auto load16 = [&](const uint8_t* a) {
+    return aligned ? __ldg(reinterpret_cast<const uint4*>(a)) : fp8::load16_align8(a);
+  };
 #pragma unroll
-  for (int c = 0; c < TP::kNopeChunks; ++c) {
-    const uint8_t* a = rec + (c * kParts + part) * 16;
-    r.nope[c] = Fm::kV32 ? __ldg(reinterpret_cast<const uint4*>(a)) : fp8::load16_align8(a);
-  }
+  for (int c = 0; c < TP::kNopeChunks; ++c) r.nope[c] = load16(rec + (c * kParts + part) * 16);
 #pragma unroll
-  for (int c = 0; c < TP::kRopeChunks; ++c) {
-    const uint8_t* a = rec + Fm::kRopeOffset + (c * kParts + part) * 16;
-    r.rope[c] = Fm::kV32 ? __ldg(reinterpret_cast<const uint4*>(a)) : fp8::load16_align8(a);
-  }
+  for (int c = 0; c < TP::kRopeChunks; ++c) r.rope[c] = load16(rec + Fm::kRopeOffset + (c * kParts + part) * 16);
   if constexpr (Fm::kV32) {
     const uint4 v = __ldg(reinterpret_cast<const uint4*>(rec + Fm::kNope));
     r.scales[0] = v.x, r.scales[1] = v.y, r.scales[2] = v.z, r.scales[3] = v.w;
