@@ -51,8 +51,9 @@ constexpr int kPlanBlockSize = 64;
 // Cost of starting a (request, part) piece, in blocks: covers loading q, the epilogue and the combine.
 // FlashMLA's value, for kernels of 64 query rows per CTA; at most this.
 constexpr int kPlanFixedOverheadBlocks = 5;
-// The same for the few-rows kernels (at most 32 query rows per KV head, or 32 sparse heads), whose
-// blocks are memory-bound: a piece costs its Q and its first loads, about a block.
+// The same for the small-heads sparse kernel (at most 32 heads), whose blocks are memory-bound: a
+// piece costs its Q and its first loads, about a block. (Dense calls use the cost above for every
+// row count: see dense_plan_params.)
 constexpr int kPlanFewRowsFixedBlocks = 2;
 static_assert(kPlanFewRowsFixedBlocks >= 1 && kPlanFewRowsFixedBlocks <= kPlanFixedOverheadBlocks, "a piece costs");
 

@@ -31,8 +31,11 @@ constexpr uint32_t kPrefillAll = kFeatBF16 | kFeatHeadDim576 | kFeatHeadDim512 |
                                  kAnyRows;
 
 // BF16/FP16 caches with 64-token pages (TMA boxes of one page); FP8 and other page sizes fall
-// through to the portable kernel. Up to 32 query rows per KV head run the small-rows kernel (rows
-// as wgmma's N, no padding to 64); more run the two-warpgroup kernel.
+// through to the portable kernel. Every row count runs the two-warpgroup 64-row kernel: at 16 rows
+// per KV head (h_q = 128 under tensor parallelism 8) it is level with the small-rows kernel (rows
+// as wgmma's N, no padding) or ahead (H200, plan reused, each with its own plan's fixed cost:
+// b=128 s_k=8192 293.8 against 301.3 us, b=1 s_k=8192 16.9 against 20.3, b=128 s_k=1024 varlen
+// 55.9 against 57.4; b=8..64 within 1%). The small-rows kernel stays selectable (sm90_small).
 constexpr uint32_t kDenseSm90Small =
     kFeatBF16 | kFeatFP16 | kFeatHeadDim576 | kFeatHeadDim512 | kFeatCausal | kFeatPageSize64;
 constexpr uint32_t kDenseSm90 = kDenseSm90Small | kAnyRows;
@@ -41,8 +44,8 @@ constexpr uint32_t kSparseSm90Small = kSparseAll & ~kAnyRows;
 
 const std::vector<Implementation<DenseDecodeParams>> kDense = {
 #if defined(MLA_KERNELS_WITH_SM90A)
-    {{"sm90_small", OpKind::kDenseDecode, 90, 90, kDenseSm90Small}, sm90_dense_decode_small, true},
     {{"sm90", OpKind::kDenseDecode, 90, 90, kDenseSm90}, sm90_dense_decode, true},
+    {{"sm90_small", OpKind::kDenseDecode, 90, 90, kDenseSm90Small}, sm90_dense_decode_small, true},
 #endif
     {{"portable", OpKind::kDenseDecode, 80, kAnyNewer, kDenseAll}, portable_dense_decode},
 };

@@ -246,13 +246,13 @@ std::vector<Tensor> get_mla_decoding_metadata(const Tensor& seqlens_k, int64_t n
     const int s_q = int(num_q_tokens_per_head_k / *h_q);
     pp.num_sm_parts = num_sm_parts_sparse(num_sms(seqlens.device()), s_q, int(*h_q));
     pp.topk = int(*topk);  // every request attends topk slots: the legacy plan ignores seqlens
-    pp.fixed_cost = plan_fixed_for_rows(*h_q);
+    pp.fixed_cost = plan_fixed_for_heads(*h_q);
   } else {
     MLA_TORCH_CHECK(!is_fp8_kvcache, op,
                 ": dense FP8 decode plans with get_mla_decoding_metadata_dense_fp8 (is_fp8_kvcache=True needs topk)");
     pp.num_sm_parts = std::max<int>(num_sms(seqlens.device()) / int(h_k) / ceil_div(int(num_q_tokens_per_head_k), 64), 1);
     pp.seqlens_k = seqlens.data_ptr<int32_t>();
-    pp.fixed_cost = plan_fixed_for_rows(num_q_tokens_per_head_k);
+    pp.fixed_cost = kPlanFixedOverheadBlocks;  // as dense_plan_params
   }
   auto opts = seqlens.options().dtype(kInt32);
   Tensor tsm = at::empty({pp.num_sm_parts, kPlanRowInts}, opts);

@@ -292,11 +292,16 @@ TEST(CudaDispatch, DenseDecodePicksTheHopperKernelOnSm90) {
     p.dtype = dtype;
     EXPECT_STREQ(cuda::implementation_name(OpKind::kDenseDecode, required_features(p)), hopper ? "sm90" : "portable");
   }
-  // At most 32 rows per KV head: the small-rows kernel.
+  // At most 32 rows per KV head: the 64-row kernel too by default; the small-rows kernel when named.
   for (auto [s_q, h_q, h_k] : {std::tuple{1, 16, 1}, std::tuple{2, 16, 1}, std::tuple{1, 64, 2}, std::tuple{1, 1, 1}}) {
     p.s_q = s_q, p.h_q = h_q, p.h_k = h_k;
-    EXPECT_STREQ(cuda::implementation_name(OpKind::kDenseDecode, required_features(p)), hopper ? "sm90_small" : "portable")
+    EXPECT_STREQ(cuda::implementation_name(OpKind::kDenseDecode, required_features(p)), hopper ? "sm90" : "portable")
         << s_q << " x " << h_q << " / " << h_k;
+    if (hopper) {
+      ASSERT_EQ(setenv("MLA_KERNELS_IMPL", "sm90_small", 1), 0);
+      EXPECT_STREQ(cuda::implementation_name(OpKind::kDenseDecode, required_features(p)), "sm90_small");
+      unsetenv("MLA_KERNELS_IMPL");
+    }
   }
   p.s_q = 3, p.h_q = 16, p.h_k = 1;  // 48 rows
   EXPECT_STREQ(cuda::implementation_name(OpKind::kDenseDecode, required_features(p)), hopper ? "sm90" : "portable");

@@ -87,29 +87,44 @@ TEST(Plan, UniformDenseRequestsStayWhole) {
 }
 
 TEST(Plan, FewRowsUniformRequestsUseEveryPart) {
-  // The same batch planned for the few-rows kernel (16 query rows per KV head: fixed cost
+  // The same batch planned for the small-heads sparse kernel (16 heads: fixed cost
   // kPlanFewRowsFixedBlocks): a request now takes fewer units than any width in [W, W + f] needs to
   // keep requests whole, so the cuts fall at multiples of W and every part runs about W units,
   // 4 parts no longer idle.
+  SparseDecodeParams sp;
+  sp.b = 128, sp.s_q = 1, sp.h_q = 16, sp.topk = 8192;
+  sp.split.num_sm_parts = 132;
+  const DecodePlanParams p = sparse_plan_params(sp);
+  EXPECT_EQ(p.fixed_cost, kPlanFewRowsFixedBlocks);
+  const HostPlan h = make_plan(p);
+  for (int part = 0; part < 132; ++part) EXPECT_LT(h.rows[part * 8], 128) << "part " << part << " runs work";
+  expect_covers_exactly(h);
+  expect_balanced(h);
+  sp.h_q = 32;
+  EXPECT_EQ(sparse_plan_params(sp).fixed_cost, kPlanFewRowsFixedBlocks);
+  sp.h_q = 64;  // 64-head tiles: FlashMLA's fixed cost
+  EXPECT_EQ(sparse_plan_params(sp).fixed_cost, kPlanFixedOverheadBlocks);
+}
+
+TEST(Plan, DenseFewRowsKeepUniformRequestsWhole) {
+  // Dense calls plan with FlashMLA's fixed cost at any row count (they run the 64-row kernel): 128
+  // requests of 128 blocks over 132 parts (h_q = 16, tensor parallelism 8) stay whole, one per part,
+  // with no combine, where the few-rows cost would cut every request in two.
   const std::vector<int32_t> lens(128, 8192);
   DenseDecodeParams d;
   d.b = 128, d.s_q = 1, d.h_q = 16, d.h_k = 1;
   d.max_blocks_per_seq = 128, d.page_block_size = 64;
   d.split.num_sm_parts = 132;
+  for (int h_q : {16, 32, 128}) {
+    d.h_q = h_q;
+    EXPECT_EQ(dense_plan_params(d).fixed_cost, kPlanFixedOverheadBlocks) << h_q << " heads";
+  }
+  d.h_q = 16;
   DecodePlanParams p = dense_plan_params(d);
-  EXPECT_EQ(p.fixed_cost, kPlanFewRowsFixedBlocks);
   p.seqlens_k = lens.data();
   const HostPlan h = make_plan(p);
-  for (int part = 0; part < 132; ++part) EXPECT_LT(h.rows[part * 8], 128) << "part " << part << " runs work";
+  for (int i = 0; i < 128; ++i) EXPECT_EQ(h.num_splits[i + 1] - h.num_splits[i], 1) << "request " << i;
   expect_covers_exactly(h);
-  expect_balanced(h);
-  d.h_q = 128;  // 64-row tiles: FlashMLA's fixed cost
-  EXPECT_EQ(dense_plan_params(d).fixed_cost, kPlanFixedOverheadBlocks);
-  SparseDecodeParams sp;
-  sp.h_q = 32;
-  EXPECT_EQ(sparse_plan_params(sp).fixed_cost, kPlanFewRowsFixedBlocks);
-  sp.h_q = 64;
-  EXPECT_EQ(sparse_plan_params(sp).fixed_cost, kPlanFixedOverheadBlocks);
 }
 
 TEST(Plan, EachPartAloneMakesTheSameRow) {

@@ -1,10 +1,11 @@
 """Dense decode on the Hopper kernels (64-token pages, BF16/FP16) and, for the same inputs, on the
 others forced through MLA_KERNELS_IMPL: each against the float64 reference.
 
-On an sm90 GPU the default dispatch runs the small-rows kernel for at most 32 query rows per KV
-head and the two-warpgroup kernel for more (tests/cpp test_cuda_common.cu checks the choice);
-"sm90" forces the two-warpgroup kernel for every case and "portable" the portable one. On other
-GPUs only the default and portable runs exist (both portable). The cases
+On an sm90 GPU the default dispatch runs the two-warpgroup 64-row kernel for every row count
+(tests/cpp test_cuda_common.cu checks the choice); "sm90_small" forces the small-rows kernel, which
+takes at most 32 query rows per KV head (for more, the test asserts that forcing it is refused with
+an error naming it), and "portable" the portable one. On other GPUs only the default and portable
+runs exist (both portable). The cases
 cover odd head counts, h_k > 1, s_q > 1 with causal masks, odd and even numbers of key blocks (the
 kernel takes blocks in pairs), pieces split across parts, zero lengths, NaN in every unused slot
 and invalid block-table entries inside a sequence."""
@@ -19,7 +20,7 @@ pytestmark = pytest.mark.cuda
 
 def _impls():
     hopper = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-    return ["default", "sm90", "portable"] if hopper else ["default", "portable"]
+    return ["default", "sm90_small", "portable"] if hopper else ["default", "portable"]
 
 
 IMPLS = _impls()
@@ -41,7 +42,17 @@ def run(q, paged, causal, scale, impl, monkeypatch, lazy=True):
     return R.to_cpu(out, "cuda"), R.to_cpu(lse, "cuda")
 
 
+def refused(q, paged, impl):
+    """The small-rows kernel forced on more than 32 query rows per KV head: no run, a clear error."""
+    b, s_q, h_q, _ = q.shape
+    return impl == "sm90_small" and s_q * h_q // paged.k_cache.shape[2] > 32
+
+
 def check(q, paged, causal, scale, impl, monkeypatch, lazy=True):
+    if refused(q, paged, impl):
+        with pytest.raises(RuntimeError, match="sm90_small lacks"):
+            run(q, paged, causal, scale, impl, monkeypatch, lazy)
+        return None
     out, lse = run(q, paged, causal, scale, impl, monkeypatch, lazy)
     ref_out, ref_lse = R.ref_dense_decode(q, paged.seqs, scale, causal)
     R.check_is_allclose("out", out, ref_out, **R.DENSE_OUT_TOL)
@@ -125,6 +136,10 @@ def test_invalid_block_table_entries_are_masked(h_q, impl, monkeypatch):
     paged.block_table[1, 2] = paged.k_cache.shape[0] + 5
     paged.block_table[2, 0] = -7
     q = R.rand((3, 1, h_q, 576), torch.bfloat16)
+    if refused(q, paged, impl):
+        with pytest.raises(RuntimeError, match="sm90_small lacks"):
+            run(q, paged, False, 0.05, impl, monkeypatch)
+        return
     out, lse = run(q, paged, False, 0.05, impl, monkeypatch)
     keep0 = torch.cat([torch.arange(0, 64), torch.arange(128, 320)])
     keep1 = torch.cat([torch.arange(0, 128), torch.arange(192, 202)])
@@ -168,18 +183,26 @@ def test_sharp_softmax(seqlens, s_q, h_q, causal, dtype, d, scale, impl, monkeyp
     check(q, paged, causal, scale, impl, monkeypatch)
 
 
-@pytest.mark.parametrize("h_q,s_q,b", [(16, 1, 90), (32, 1, 90), (128, 1, 90), (64, 2, 90),
-                                       (16, 1, 300), (128, 1, 300)])
-def test_hopper_kernels_make_the_planners_plan(h_q, s_q, b, monkeypatch):
+@pytest.mark.parametrize("h_q,s_q,b,impl", [(16, 1, 90, "default"), (32, 1, 90, "default"), (128, 1, 90, "default"),
+                                            (64, 2, 90, "default"), (16, 1, 300, "default"), (128, 1, 300, "default"),
+                                            (16, 1, 90, "sm90_small"), (32, 1, 300, "sm90_small")])
+def test_hopper_kernels_make_the_planners_plan(h_q, s_q, b, impl, monkeypatch):
     """With a fresh plan the Hopper kernels plan inside their CTAs, with no planner kernel: the rows
     and num_splits they store are those the planner kernel makes for the portable path, and a later
     call reusing them gives the same bits. 300 requests take the in-kernel planner more than one
     round of its threads (128 in the small-rows kernel, 256 in the 64-row one)."""
+    if impl not in IMPLS:
+        pytest.skip(f"{impl} runs on sm90 GPUs only")
+    def use_own():
+        if impl == "default":
+            monkeypatch.delenv("MLA_KERNELS_IMPL", raising=False)
+        else:
+            monkeypatch.setenv("MLA_KERNELS_IMPL", impl)
     seqlens = [(i * 977) % 5000 for i in range(b)]
     paged = R.make_dense_paged(seqlens, 64, 1, 576, torch.bfloat16)
     q = R.rand((len(seqlens), s_q, h_q, 576), torch.bfloat16).cuda()
     kc, bt, sl = paged.k_cache.cuda(), paged.block_table.cuda(), paged.cache_seqlens.cuda()
-    monkeypatch.delenv("MLA_KERNELS_IMPL", raising=False)
+    use_own()
     own, _ = flash_mla.get_mla_metadata()
     out, lse = flash_mla.flash_mla_with_kvcache(q, kc, bt, sl, 512, own, causal=s_q > 1)
     monkeypatch.setenv("MLA_KERNELS_IMPL", "portable")
@@ -187,6 +210,6 @@ def test_hopper_kernels_make_the_planners_plan(h_q, s_q, b, monkeypatch):
     flash_mla.flash_mla_with_kvcache(q, kc, bt, sl, 512, planned, causal=s_q > 1)
     assert torch.equal(own.tile_scheduler_metadata, planned.tile_scheduler_metadata)
     assert torch.equal(own.num_splits, planned.num_splits)
-    monkeypatch.delenv("MLA_KERNELS_IMPL", raising=False)
+    use_own()
     again = flash_mla.flash_mla_with_kvcache(q, kc, bt, sl, 512, own, causal=s_q > 1)
     assert torch.equal(out, again[0]) and torch.equal(lse, again[1])

@@ -1,7 +1,9 @@
 // Hopper (sm_90a) dense MLA decode for few query rows per KV head (s_q x h_q / h_k <= 32: DeepSeek's
 // 128 heads under tensor parallelism 4-8, or MTP with 16 heads), where padding the rows to wgmma's
 // M = 64 would quadruple the tensor work of a memory-bound problem. BF16/FP16 caches with 64-token
-// pages, d_qk 576 or 512, d_v 512, causal for s_q > 1.
+// pages, d_qk 576 or 512, d_v 512, causal for s_q > 1. Selected with MLA_KERNELS_IMPL=sm90_small:
+// the default runs the 64-row kernel for every row count, which planned with FlashMLA's fixed cost
+// is level or ahead (dispatch.cu).
 //
 // Schedule (128 threads = one warpgroup, one CTA per (KV head, plan part), persistent over the
 // part's pieces): the rows become wgmma's N instead of its M:
