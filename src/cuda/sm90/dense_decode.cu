@@ -41,7 +41,9 @@
 // FlashMLA 261.5 us, 0.87x; 281 us without FlashMLA in the run, 265 with the plan reused), s_q=2
 // causal s_k=8192 946.1 us (876.8, 0.93x); with the wider combine b=1 s_k=65536 55.6 us (67.7,
 // 1.22x), b=2 82.8 (89.8, 1.08x), b=4 s_k=8192 42.3 (51.0, 1.20x), b=8 s_k=32768 116.5 (117.2,
-// 1.01x); b=8 s_k=1024 29.7 (34.4, 1.16x). (h_q=16 goes to the small-rows kernel.) Steps: the
+// 1.01x); b=8 s_k=1024 29.7 (34.4, 1.16x). h_q=16 (rows padded to 64; every row count runs here by
+// default, dispatch.cu): b=128 s_k=8192 293.0 us plan reused, 96.8% of the copy ceiling
+// (FlashMLA beside it 288.1 against our 296.4, 0.97x). Steps: the
 // softmax's exp2 in one MUFU (exp2_ftz) 356 -> 326 us; wgmma descriptors at constant offsets from
 // two bases, the per-key mask as one compare against a per-row threshold, the lazy running max
 // and O rescales skipped by a warp vote 326 -> 314 us (s_q=2 1071 -> 985); Q staged with one
