@@ -266,16 +266,17 @@ MLA_HD DecodePlanParams plan_params_for(int b, const DecodeSplit& split) {
   return pp;
 }
 // The fixed cost per piece of a sparse call of h_q heads: the small-heads kernel's for at most 32.
-// Dense calls, whatever their rows per KV head, run the 64-row kernel by default and plan with its
-// (FlashMLA's) cost: with the few-rows cost a batch of 128 requests of 128 blocks over 132 parts has
-// every request cut in two, with FlashMLA's each stays whole (H200, the 64-row kernel, plan reused:
-// 297.1 -> 293.8 us; b=1 s_k=8192 20.7 -> 16.9 us).
 MLA_HD int plan_fixed_for_heads(long long h_q) {
   return h_q > 0 && h_q <= 32 ? kPlanFewRowsFixedBlocks : kPlanFixedOverheadBlocks;
 }
+// The fixed cost per piece of a dense call, whatever its rows per KV head: dense calls run the
+// 64-row kernel by default and plan with its (FlashMLA's) cost. With the few-rows cost a batch of
+// 128 requests of 128 blocks over 132 parts has every request cut in two, with FlashMLA's each
+// stays whole (H200, the 64-row kernel, plan reused: 297.1 -> 293.8 us; b=1 s_k=8192 20.7 -> 16.9).
+MLA_HD constexpr int plan_fixed_dense() { return kPlanFixedOverheadBlocks; }
 MLA_HD DecodePlanParams dense_plan_params(const DenseDecodeParams& p) {
   DecodePlanParams pp = plan_params_for(p.b, p.split);
-  pp.fixed_cost = kPlanFixedOverheadBlocks;
+  pp.fixed_cost = plan_fixed_dense();
   pp.seqlens_k = p.seqlens_k;
   const long long capacity = (long long)p.max_blocks_per_seq * p.page_block_size;
   pp.max_seqlen = capacity < 0x7fffffff ? int(capacity) : 0x7fffffff;

@@ -53,7 +53,7 @@ constexpr int kPlanBlockSize = 64;
 constexpr int kPlanFixedOverheadBlocks = 5;
 // The same for the small-heads sparse kernel (at most 32 heads), whose blocks are memory-bound: a
 // piece costs its Q and its first loads, about a block. (Dense calls use the cost above for every
-// row count: see dense_plan_params.)
+// row count: see plan_fixed_dense.)
 constexpr int kPlanFewRowsFixedBlocks = 2;
 static_assert(kPlanFewRowsFixedBlocks >= 1 && kPlanFewRowsFixedBlocks <= kPlanFixedOverheadBlocks, "a piece costs");
 

@@ -252,7 +252,7 @@ std::vector<Tensor> get_mla_decoding_metadata(const Tensor& seqlens_k, int64_t n
                 ": dense FP8 decode plans with get_mla_decoding_metadata_dense_fp8 (is_fp8_kvcache=True needs topk)");
     pp.num_sm_parts = std::max<int>(num_sms(seqlens.device()) / int(h_k) / ceil_div(int(num_q_tokens_per_head_k), 64), 1);
     pp.seqlens_k = seqlens.data_ptr<int32_t>();
-    pp.fixed_cost = kPlanFixedOverheadBlocks;  // as dense_plan_params
+    pp.fixed_cost = plan_fixed_dense();
   }
   auto opts = seqlens.options().dtype(kInt32);
   Tensor tsm = at::empty({pp.num_sm_parts, kPlanRowInts}, opts);
