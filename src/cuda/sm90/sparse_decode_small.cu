@@ -16,12 +16,13 @@
 //   * warpgroup 0 (setmaxnreg 152 at N = 16, 232 at N = 32) consumes, with the heads as wgmma's N
 //     (16 or 32; no padding to 64): S^T (64 tokens x N heads) = K Q^T, masked by the validity
 //     flags; the softmax down the columns of S^T (lanes sharing a head, then the four warps through
-//     shared memory); P (N x 64) to shared memory; O^T (512 x N) += V^T P^T with V read transposed
-//     from the buffer;
+//     shared memory); P (N x 64) to shared memory (at d_qk 576 into the block's RoPE tile, which
+//     S^T alone reads); O^T (512 x N) += V^T P^T with V read transposed from the buffer;
 //   * epilogue: O^T / (l + exp2(sink - m)) to out / lse for whole pieces, fp32 partials for split
 //     ones (the combine kernel applies the sink);
 //   * with a fresh plan every CTA first plans its own part (plan_block.cuh; no planner kernel).
-// Tile sizes: 64-token blocks, N = 16 or 32 heads, two bf16 key buffers (144 KB at d_qk 576) + Q.
+// Tile sizes: 64-token blocks, N = 16 or 32 heads, two bf16 key buffers (144 KB at d_qk 576) + Q;
+// shared memory kept small, since what it leaves of 256 KB is the L1 the producers' loads land in.
 // Reached on an H200 (bench/RESULTS.md, whole API call, FlashMLA padded to 64 heads in the same
 // run): V3.2 b=128 h_q=16 topk 2048 88.9 us (FlashMLA 153.9 us, 1.73x; 77 us with the plan reused
 // before the kernel planned for itself); b=64 h_q=32 65.8 us (108.1, 1.64x); MODEL1 b=128 h_q=16
@@ -50,6 +51,16 @@
 // diagnostic build): the plan 5.9 us; Q staged 1.5-2.5 us after it; the first block stored by the
 // producers 6.1 us after it and consumed at 6.4; then about 3.3 us per block (10 blocks: 39.3 us).
 // The plan alone takes 5.3 us here (4.7 at h_q=128): whole against reused 46.0 -> 39.5 us.
+// Thirteenth session (plan reused, ours alone, builds alternated twice): the producers' record
+// loads land in the L1 cache, whose size is what shared memory leaves of 256 KB in steps (60 KB
+// at a 196 KB carveout, 92 KB at 164). P in the RoPE tile and no alignment slack took V3.2 h_q=16
+// from 166.7 KB (with the 1 KB the system reserves) to 163.7: 79.5 / 79.5 -> 76.6 / 76.3 us (h_q=32
+// 59.5 / 59.2 -> 58.9 / 58.8, MODEL1 h_q=16 37.7 -> 37.4). The other way, a second Q buffer (the
+// next piece's Q copied in during the piece) took h_q=32 to 227 KB and 59.6 -> 72.5 us. Timed
+// alone (MLA_SPARSE_DIAG): V3.2 h_q=16 producers 57.5 us, consumer 51.4, together 80.3; h_q=32
+// 40.5 / 41.0 / 59.7; MODEL1 h_q=16 28.7 / 25.8 / 38.0. A plain gather of the same V3.2 h_q=16
+// records, nothing done with them, takes 48.8 us at best (bench/gather_ceiling.cu: 3.5 TB/s; the
+// same bytes in order 40.9 us).
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -101,11 +112,16 @@ struct Smem {
   static constexpr int kTiles = D / 64;
   uint8_t k[2][kTiles][kTileBytes];  // dequantised tokens [token][dim], bf16, swizzled
   uint8_t q[kTiles][N * 128];
-  uint8_t p[N * 128];                // P [head][token]
+  // P [head][token]. At D = 576 it lives in the RoPE tile of the block's buffer, which only S^T
+  // reads (done when P is written; the buffer goes back after O^T): 2 KB less shared memory puts
+  // N = 16 under 164 KB, leaving the L1 cache the producers' record loads land in 92 KB, not 60.
+  static constexpr bool kPInRope = D == 576;
+  uint8_t p_own[kPInRope ? 16 : N * 128];
   float warp_max[4][N];
   float warp_sum[4][N];
   uint8_t valid[2][kBlockN];
   uint64_t full[2], empty[2];
+  __device__ uint8_t* p(int buf) { return kPInRope ? k[buf][kTiles - 1] : p_own; }
 };
 
 template <KvFormat F, int N>
@@ -116,10 +132,10 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_small_kernel(const 
   using SmemT = Smem<D, N>;
   constexpr int kTiles = SmemT::kTiles;
   constexpr int kNT = N / 8;
-  extern __shared__ uint8_t smem_raw[];
-  // Tiles 1024-byte aligned; offsetting smem_raw (not rebuilding the pointer from an integer) keeps
-  // the accesses in the shared address space (STS/LDS rather than generic stores and loads).
-  SmemT& sm = *reinterpret_cast<SmemT*>(smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u));
+  // The window is declared 1024-byte aligned (the tiles' swizzle needs it), so no slack is asked
+  // for: every byte counts against the L1 cache here (see Smem).
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  SmemT& sm = *reinterpret_cast<SmemT*>(smem_raw);
 
   const int tid = threadIdx.x, wg = __shfl_sync(0xffffffffu, tid / 128, 0), wtid = tid % 128;
   const int warp = (wtid / 32), lane = tid % 32, g = lane / 4, t4 = lane % 4;
@@ -239,9 +255,9 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_small_kernel(const 
         small_mask_max<N>(sc, scale_log2, false, [&](int key, int) { return valid[key] != 0; }, sm.warp_max, warp,
                           lane);
         named_sync(1, 128);
-        small_softmax<__nv_bfloat16, N>(sc, sm.warp_max, m_run, l_part, o, sm.p, warp, lane);
+        small_softmax<__nv_bfloat16, N>(sc, sm.warp_max, m_run, l_part, o, sm.p(buf), warp, lane);
         named_sync(1, 128);  // P complete; every thread has read warp_max
-        small_pv<__nv_bfloat16, N>([&](int t) { return sm.k[buf][t]; }, sm.p, o);
+        small_pv<__nv_bfloat16, N>([&](int t) { return sm.k[buf][t]; }, sm.p(buf), o);
         // The buffer (and its validity flags) go back to the producer.
         mbar_arrive(&sm.empty[buf]);
       }
@@ -268,8 +284,11 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_small_kernel(const 
 
 template <KvFormat F, int N>
 cudaError_t launch(const SparseDecodeParams& p, cudaStream_t stream) {
-  constexpr int smem = int(sizeof(Smem<SparseFormat<F>::kD, N>)) + 1024;  // + alignment of the tiles to 1024 bytes
+  constexpr int smem = int(sizeof(Smem<SparseFormat<F>::kD, N>));
   static_assert(smem <= 227 * 1024, "both key buffers, Q and P fit the 227 KB an sm90 block may use");
+  // With the 1 KB every block reserves, V3.2 at N = 16 must stay within the 164 KB carveout: the
+  // next one (196 KB) leaves the producers' loads 60 KB of L1 instead of 92 (76.5 -> 79.5 us).
+  static_assert(F != KvFormat::kV32 || N != 16 || smem + 1024 <= 164 * 1024, "V3.2 N = 16 fits 164 KB");
   const cudaError_t err =
       raise_smem_limit_once<sparse_decode_small_kernel<F, N>>(smem, "the sm90 small-heads sparse kernel");
   if (err != cudaSuccess) return err;
