@@ -56,7 +56,7 @@
 // at a 196 KB carveout, 92 KB at 164). P in the RoPE tile and no alignment slack took V3.2 h_q=16
 // from 166.7 KB (with the 1 KB the system reserves) to 163.7: 79.5 / 79.5 -> 76.6 / 76.3 us (h_q=32
 // 59.5 / 59.2 -> 58.9 / 58.8, MODEL1 h_q=16 37.7 -> 37.4). The other way, a second Q buffer (the
-// next piece's Q copied in during the piece) took h_q=32 to 227 KB and 59.6 -> 72.5 us. Timed
+// next piece's Q copied in during the piece) took h_q=32 to 223 KB and 59.6 -> 72.5 us. Timed
 // alone (MLA_SPARSE_DIAG): V3.2 h_q=16 producers 57.5 us, consumer 51.4, together 80.3; h_q=32
 // 40.5 / 41.0 / 59.7; MODEL1 h_q=16 28.7 / 25.8 / 38.0. A plain gather of the same V3.2 h_q=16
 // records, nothing done with them, takes 48.8 us at best (bench/gather_ceiling.cu: 3.5 TB/s; the
