@@ -113,8 +113,9 @@ struct Smem {
   uint8_t k[2][kTiles][kTileBytes];  // dequantised tokens [token][dim], bf16, swizzled
   uint8_t q[kTiles][N * 128];
   // P [head][token]. At D = 576 it lives in the RoPE tile of the block's buffer, which only S^T
-  // reads (done when P is written; the buffer goes back after O^T): 2 KB less shared memory puts
-  // N = 16 under 164 KB, leaving the L1 cache the producers' record loads land in 92 KB, not 60.
+  // reads (done when P is written; the buffer goes back after O^T): with the alignment slack gone
+  // (below), 3 KB less shared memory puts N = 16 under 164 KB, leaving the L1 cache the producers'
+  // record loads land in 92 KB, not 60.
   static constexpr bool kPInRope = D == 576;
   uint8_t p_own[kPInRope ? 16 : N * 128];
   float warp_max[4][N];
@@ -133,7 +134,9 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_small_kernel(const 
   constexpr int kTiles = SmemT::kTiles;
   constexpr int kNT = N / 8;
   // The window is declared 1024-byte aligned (the tiles' swizzle needs it), so no slack is asked
-  // for: every byte counts against the L1 cache here (see Smem).
+  // for: every byte counts against the L1 cache here (see Smem). The kernel has no static shared
+  // memory, so the window starts right after the 1 KB the block reserves; static shared memory
+  // added here would be padded to 1 KB, which the 164 KB static_assert below does not count.
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   SmemT& sm = *reinterpret_cast<SmemT*>(smem_raw);
 
@@ -254,7 +257,8 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_small_kernel(const 
         const uint8_t* valid = sm.valid[buf];
         small_mask_max<N>(sc, scale_log2, false, [&](int key, int) { return valid[key] != 0; }, sm.warp_max, warp,
                           lane);
-        named_sync(1, 128);
+        named_sync(1, 128);  // every warp has its S^T: warp_max complete, and at d_qk 576 no S^T
+        // still reads the RoPE tile that P is written into next
         small_softmax<__nv_bfloat16, N>(sc, sm.warp_max, m_run, l_part, o, sm.p(buf), warp, lane);
         named_sync(1, 128);  // P complete; every thread has read warp_max
         small_pv<__nv_bfloat16, N>([&](int t) { return sm.k[buf][t]; }, sm.p(buf), o);
