@@ -102,8 +102,23 @@ struct TokenPart {
   uint32_t scales[Fm::kV32 ? 4 : 2];
 };
 
+// 16 bytes of a record, read once: not kept in L1 (kNoAllocate), or as __ldg.
+template <bool kNoAllocate>
+__device__ __forceinline__ uint4 load_record16(const void* a) {
+  if constexpr (kNoAllocate) {
+    uint4 v;
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+        : "l"(a));
+    return v;
+  } else {
+    return __ldg(reinterpret_cast<const uint4*>(a));
+  }
+}
+
 // Loads `part` of the token `ref` names. Indices outside the cache are invalid: nothing is read.
-template <KvFormat F, int kParts>
+// kNoAllocate: the 16-byte record loads bypass L1 allocation.
+template <KvFormat F, int kParts, bool kNoAllocate = false>
 __device__ __forceinline__ TokenPart<F, kParts> load_token_part(const SparseDecodeParams& p, const TokenRef& ref,
                                                                 int part) {
   using Fm = SparseFormat<F>;
@@ -131,7 +146,7 @@ __device__ __forceinline__ TokenPart<F, kParts> load_token_part(const SparseDeco
   static_assert(Fm::kRecordBytes % 16 == 0, "records are 16-byte multiples");
   const bool aligned = Fm::kV32 || (reinterpret_cast<uintptr_t>(block) & 15) == 0;
   auto load16 = [&](const uint8_t* a) {
-    return aligned ? __ldg(reinterpret_cast<const uint4*>(a)) : fp8::load16_align8(a);
+    return aligned ? load_record16<kNoAllocate>(a) : fp8::load16_align8(a);
   };
 #pragma unroll
   for (int c = 0; c < TP::kNopeChunks; ++c) r.nope[c] = load16(rec + (c * kParts + part) * 16);
