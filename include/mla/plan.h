@@ -293,10 +293,12 @@ MLA_HD DecodePlanParams sparse_plan_params(const SparseDecodeParams& p) {
 }
 
 // Shapes the checks will reject still get one part, never a division by zero.
+// (Rows per KV head counted in 64 bits: s_q * h_q / h_k may pass 2^31 before the checks run.)
 inline int num_sm_parts_dense(int num_sms, int s_q, int h_q, int h_k) {
   if (s_q <= 0 || h_q <= 0 || h_k <= 0 || h_q % h_k != 0) return 1;
-  const int parts = num_sms / h_k / ceil_div(s_q * (h_q / h_k), 64);
-  return parts > 1 ? parts : 1;
+  const long long tiles = (static_cast<long long>(s_q) * (h_q / h_k) + 63) / 64;
+  const long long parts = num_sms / h_k / tiles;
+  return parts > 1 ? int(parts) : 1;
 }
 inline int num_sm_parts_sparse(int num_sms, int s_q, int h_q) {
   if (s_q <= 0 || h_q <= 0) return 1;

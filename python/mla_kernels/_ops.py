@@ -28,6 +28,25 @@ def num_sm_parts_sparse(device, s_q, h_q):
     return max(num_sms(device) // s_q // math.ceil(h_q / 64), 1)
 
 
+def _check(cond, op, message):
+    """What the real op rejects is an error naming the argument here too (tracing, meta tensors)."""
+    if not cond:
+        raise ValueError(f"{op}: {message}")
+
+
+def _check_rank(op, name, t, ndim):
+    got = f"shape {list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+    _check(isinstance(t, torch.Tensor) and t.dim() == ndim, op, f"{name} must be a {ndim}-D tensor, got {got}")
+
+
+def _check_positive(op, name, v):
+    _check(v is not None and v > 0, op, f"{name} must be > 0, got {v!r}")
+
+
+def _check_fmt(op, fmt):
+    _check(fmt in ("v32", "model1"), op, f'fmt must be "v32" or "model1", got {fmt!r}')
+
+
 def _plan(device, b, parts):
     return (
         torch.empty((parts, PLAN_ROW_INTS), dtype=torch.int32, device=device),
@@ -37,6 +56,12 @@ def _plan(device, b, parts):
 
 @torch.library.register_fake(_lib + "get_mla_decoding_metadata")
 def _(seqlens_k, num_q_tokens_per_head_k, h_k, h_q=None, is_fp8_kvcache=False, topk=None):
+    op = "get_mla_decoding_metadata"
+    _check_rank(op, "seqlens_k", seqlens_k, 1)
+    _check_positive(op, "num_q_tokens_per_head_k", num_q_tokens_per_head_k)
+    _check_positive(op, "h_k", h_k)
+    if topk is not None:
+        _check_positive(op, "num_heads_q (h_q, required with topk)", h_q)
     b = seqlens_k.shape[0]
     if topk is not None:
         parts = num_sm_parts_sparse(seqlens_k.device, num_q_tokens_per_head_k // h_q, h_q)
@@ -47,6 +72,10 @@ def _(seqlens_k, num_q_tokens_per_head_k, h_k, h_q=None, is_fp8_kvcache=False, t
 
 @torch.library.register_fake(_lib + "get_mla_decoding_metadata_dense_fp8")
 def _(seqlens_k, num_heads_per_head_k, num_heads_k):
+    op = "get_mla_decoding_metadata_dense_fp8"
+    _check_rank(op, "seqlens_k", seqlens_k, 1)
+    _check_positive(op, "num_heads_per_head_k", num_heads_per_head_k)
+    _check_positive(op, "num_heads_k", num_heads_k)
     b = seqlens_k.shape[0]
     parts = max(num_sms(seqlens_k.device) // num_heads_k // math.ceil(num_heads_per_head_k / 64), 1)
     return list(_plan(seqlens_k.device, b, parts))
@@ -68,6 +97,9 @@ def _sparse_outputs(q):
 
 @torch.library.register_fake(_lib + "dense_decode_fwd")
 def _(q, kcache, head_size_v, seqlens_k, block_table, softmax_scale, is_causal, tile_scheduler_metadata, num_splits):
+    _check_rank("dense_decode_fwd", "q", q, 4)
+    _check_rank("dense_decode_fwd", "kcache", kcache, 4)
+    _check(kcache.shape[2] > 0, "dense_decode_fwd", f"kcache h_k (dim 2) must be > 0, got {kcache.shape[2]}")
     out, lse = _dense_outputs(q, q.dtype)
     if tile_scheduler_metadata is not None:
         return out, lse, None, None
@@ -79,6 +111,7 @@ def _(q, kcache, head_size_v, seqlens_k, block_table, softmax_scale, is_causal, 
 @torch.library.register_fake(_lib + "sparse_decode_fwd")
 def _(q, kv, indices, topk_length, attn_sink, tile_scheduler_metadata, num_splits, extra_kv, extra_indices,
       extra_topk_length, d_v, sm_scale):
+    _check_rank("sparse_decode_fwd", "q", q, 4)
     out, lse = _sparse_outputs(q)
     if tile_scheduler_metadata is not None:
         return out, lse, None, None
@@ -91,6 +124,7 @@ def _(q, kv, indices, topk_length, attn_sink, tile_scheduler_metadata, num_split
 def _(q, kv_cache, head_size_v, seqlens_k, block_table, softmax_scale, is_causal, tile_scheduler_metadata,
       num_splits, is_fp8, indices=None, attn_sink=None, extra_k_cache=None, extra_indices_in_kvcache=None,
       topk_length=None, extra_topk_length=None):
+    _check_rank("fwd_kvcache_mla", "q", q, 4)
     if indices is not None:
         return list(_sparse_outputs(q))
     return list(_dense_outputs(q, q.dtype))
@@ -99,11 +133,13 @@ def _(q, kv_cache, head_size_v, seqlens_k, block_table, softmax_scale, is_causal
 @torch.library.register_fake(_lib + "fwd_kvcache_mla_fp8")
 def _(q, kcache, head_size_v, seqlens_k, block_table, softmax_scale, is_causal, tile_scheduler_metadata, num_splits,
       descale_q=None, descale_k=None):
+    _check_rank("fwd_kvcache_mla_fp8", "q", q, 4)
     return list(_dense_outputs(q, torch.bfloat16))
 
 
 @torch.library.register_fake(_lib + "sparse_prefill_fwd")
 def _(q, kv, indices, sm_scale, d_v, attn_sink=None, topk_length=None):
+    _check_rank("sparse_prefill_fwd", "q", q, 3)
     s_q, h_q, _ = q.shape
     return [
         q.new_empty((s_q, h_q, D_V)),
@@ -114,11 +150,15 @@ def _(q, kv, indices, sm_scale, d_v, attn_sink=None, topk_length=None):
 
 @torch.library.register_fake(_lib + "quantize_kv_fp8")
 def _(kv, fmt):
+    _check_rank("quantize_kv_fp8", "kv", kv, 4)
+    _check_fmt("quantize_kv_fp8", fmt)
     n, page, h, _ = kv.shape
     return kv.new_empty((n, page, h, BYTES_PER_TOKEN[576 if fmt == "v32" else 512]), dtype=torch.uint8)
 
 
 @torch.library.register_fake(_lib + "dequantize_kv_fp8")
 def _(kv, fmt):
+    _check_rank("dequantize_kv_fp8", "kv", kv, 4)
+    _check_fmt("dequantize_kv_fp8", fmt)
     n, page, h, _ = kv.shape
     return kv.new_empty((n, page, h, 576 if fmt == "v32" else 512), dtype=torch.bfloat16)

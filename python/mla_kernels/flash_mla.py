@@ -80,6 +80,14 @@ def get_mla_metadata(
     return tsm, num_splits
 
 
+def _check_tensor(op: str, name: str, value, ndim: int) -> None:
+    """The shapes this module reads before the op checks them: a missing or wrong-rank tensor is an
+    error naming it, not an IndexError."""
+    if not isinstance(value, torch.Tensor) or value.dim() != ndim:
+        got = f"shape {list(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
+        raise ValueError(f"{op}: {name} must be a {ndim}-D tensor, got {got}")
+
+
 def _check_config(sched: FlashMLASchedMeta, config: FlashMLASchedMeta.Config) -> None:
     for field in dataclasses.fields(config):
         old, new = getattr(sched.config, field.name), getattr(config, field.name)
@@ -94,6 +102,13 @@ def _with_sched_meta(
     sched, q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, descale_q, descale_k,
     is_fp8_kvcache, indices, attn_sink, extra_k_cache, extra_indices_in_kvcache, topk_length, extra_topk_length,
 ):
+    op = "flash_mla_with_kvcache"
+    for name, value, ndim in (
+        ("indices", indices, 3), ("extra_k_cache", extra_k_cache, 4),
+        ("extra_indices_in_kvcache", extra_indices_in_kvcache, 3),
+    ):
+        if value is not None:
+            _check_tensor(op, name, value, ndim)
     topk = indices.shape[-1] if indices is not None else None
     extra_page_block_size = extra_k_cache.shape[1] if extra_k_cache is not None else None
     extra_topk = extra_indices_in_kvcache.shape[-1] if extra_indices_in_kvcache is not None else None
@@ -187,6 +202,8 @@ def flash_mla_with_kvcache(
     ``Config`` checked on every reuse) or the tensor from :func:`get_mla_metadata` with
     ``num_splits``.
     """
+    _check_tensor("flash_mla_with_kvcache", "q", q, 4)
+    _check_tensor("flash_mla_with_kvcache", "k_cache", k_cache, 4)
     if softmax_scale is None:
         softmax_scale = q.shape[-1] ** (-0.5)
     if isinstance(tile_scheduler_metadata, FlashMLASchedMeta):

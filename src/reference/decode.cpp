@@ -199,10 +199,10 @@ void check_block_table(const DenseDecodeParams& p) {
   for (int i = 0; i < p.b; ++i) {
     const int len = p.seqlens_k[i];
     MLA_CHECK(len >= 0, "cache_seqlens[", i, "] must be >= 0, got ", len);
-    const int pages = (len + p.page_block_size - 1) / p.page_block_size;
+    const long long pages = (static_cast<long long>(len) + p.page_block_size - 1) / p.page_block_size;  // len near 2^31
     MLA_CHECK(pages <= p.max_blocks_per_seq, "cache_seqlens[", i, "] = ", len, " needs ", pages,
               " page blocks but block_table has ", p.max_blocks_per_seq, " columns");
-    for (int j = 0; j < pages; ++j) {
+    for (int j = 0; j < int(pages); ++j) {
       const int32_t page = p.block_table[i * p.block_table_stride + j];
       MLA_CHECK(page >= 0 && page < p.num_blocks, "block_table[", i, ", ", j, "] = ", page, " is outside [0, ",
                 p.num_blocks, ") (k_cache has ", p.num_blocks, " page blocks)");

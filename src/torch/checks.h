@@ -4,6 +4,7 @@
 
 #include <ATen/ATen.h>
 
+#include <cstdint>
 #include <initializer_list>
 #include <optional>
 #include <string>
@@ -50,7 +51,26 @@ namespace mla::torch_ops {
 
 using at::Tensor;
 
-// The checks of one op call: `ArgChecker c("sparse_decode_fwd", q.device())`.
+// The device of the tensor argument the others must share (`name`, usually q); None is an error
+// naming it, not a crash in device().
+inline c10::Device device_of(const char* op, const Tensor& t, const char* name) {
+  MLA_TORCH_CHECK(t.defined(), op, ": ", name, " must be a tensor, got None");
+  return t.device();
+}
+
+// An integer argument the core takes as int: outside int32 it is an error, never a wrapped value.
+inline int narrow_int(const char* op, int64_t v, const char* name) {
+  MLA_TORCH_CHECK(v >= INT32_MIN && v <= INT32_MAX, op, ": ", name, " must fit in 32 bits, got ", v);
+  return int(v);
+}
+
+// Query rows (b * s_q * h_q, each dimension already under 2^31) index the outputs as int.
+inline void check_rows(const char* op, const Tensor& q, int64_t rows) {
+  MLA_TORCH_CHECK(rows <= INT32_MAX, op, ": q must have fewer than 2^31 query rows (b * s_q * h_q), got shape ",
+                  q.sizes());
+}
+
+// The checks of one op call: `ArgChecker c("sparse_decode_fwd", device_of(op, q, "q"))`.
 class ArgChecker {
  public:
   ArgChecker(const char* op, c10::Device device) : op_(op), device_(device) {}
@@ -58,7 +78,10 @@ class ArgChecker {
   const char* op() const { return op_; }
 
   // Rank, dtype, device and a contiguous last dimension: what every tensor argument needs.
+  // Every size below 2^31: the core indexes with int (an expanded dimension can be larger than any
+  // allocation).
   void tensor(const Tensor& t, const char* name, int64_t dim, std::initializer_list<at::ScalarType> dtypes) const {
+    MLA_TORCH_CHECK(t.defined(), op_, ": ", name, " must be a tensor, got None");
     MLA_TORCH_CHECK(t.dim() == dim, op_, ": ", name, " must be a ", dim, "-D tensor, got ", t.dim(), "-D with shape ",
                 t.sizes());
     bool ok = false;
@@ -72,6 +95,8 @@ class ArgChecker {
                 t.device());
     MLA_TORCH_CHECK(t.dim() == 0 || t.size(-1) == 1 || t.stride(-1) == 1, op_, ": ", name,
                 " must have a contiguous last dimension, got strides ", t.strides());
+    for (int64_t d = 0; d < t.dim(); ++d)
+      MLA_TORCH_CHECK(t.size(d) <= INT32_MAX, op_, ": ", name, " dim ", d, " must be < 2^31, got shape ", t.sizes());
   }
 
   void opt_tensor(const std::optional<Tensor>& t, const char* name, int64_t dim,

@@ -127,7 +127,7 @@ struct DenseArgs {
 
 // Dense decode shared by dense_decode_fwd, fwd_kvcache_mla and fwd_kvcache_mla_fp8.
 DecodeResult dense_decode(const char* op, const DenseArgs& a, bool fp8) {
-  ArgChecker c(op, a.q.device());
+  ArgChecker c(op, device_of(op, a.q, "q"));
   if (fp8) {
     c.tensor(a.q, "q", 4, {at::kFloat8_e4m3fn});
   } else {
@@ -142,6 +142,7 @@ DecodeResult dense_decode(const char* op, const DenseArgs& a, bool fp8) {
 
   const int b = int(a.q.size(0)), s_q = int(a.q.size(1)), h_q = int(a.q.size(2)), d_qk = int(a.q.size(3));
   const int h_k = int(a.kcache.size(2));
+  check_rows(op, a.q, int64_t(b) * s_q * h_q);
   MLA_TORCH_CHECK(a.kcache.size(3) == d_qk, op, ": kcache head dim (dim 3) must equal q's (", d_qk, "), got ",
               a.kcache.size(3));
   c.shape(a.seqlens_k, "seqlens_k", {b}, "[b]");
@@ -172,7 +173,7 @@ DecodeResult dense_decode(const char* op, const DenseArgs& a, bool fp8) {
   Tensor lse = at::empty({b, h_q, s_q}, a.q.options().dtype(kFloat));
 
   DenseDecodeParams p;
-  p.b = b, p.s_q = s_q, p.h_q = h_q, p.h_k = h_k, p.d_qk = d_qk, p.d_v = int(a.head_size_v);
+  p.b = b, p.s_q = s_q, p.h_q = h_q, p.h_k = h_k, p.d_qk = d_qk, p.d_v = narrow_int(op, a.head_size_v, "head_size_v");
   p.page_block_size = int(a.kcache.size(1)), p.num_blocks = int(a.kcache.size(0));
   p.max_blocks_per_seq = int(a.block_table.size(1));
   p.dtype = dtype_of(a.q);
@@ -224,7 +225,7 @@ std::vector<Tensor> get_mla_decoding_metadata(const Tensor& seqlens_k, int64_t n
                                               std::optional<int64_t> h_q, bool is_fp8_kvcache,
                                               std::optional<int64_t> topk) {
   const char* op = "get_mla_decoding_metadata";
-  ArgChecker c(op, seqlens_k.device());
+  ArgChecker c(op, device_of(op, seqlens_k, "seqlens_k"));
   c.tensor(seqlens_k, "seqlens_k", 1, {kInt32});
   c.contiguous(seqlens_k, "seqlens_k");
   const int b = int(seqlens_k.size(0));
@@ -301,9 +302,10 @@ DecodeResult sparse_decode_fwd(const Tensor& q, const Tensor& kv, const Tensor& 
                                const OptTensor& extra_indices, const OptTensor& extra_topk_length, int64_t d_v,
                                double sm_scale) {
   const char* op = "sparse_decode_fwd";
-  ArgChecker c(op, q.device());
+  ArgChecker c(op, device_of(op, q, "q"));
   c.tensor(q, "q", 4, {at::kBFloat16});
   const int b = int(q.size(0)), s_q = int(q.size(1)), h_q = int(q.size(2)), d_qk = int(q.size(3));
+  check_rows(op, q, int64_t(b) * s_q * h_q);
   MLA_TORCH_CHECK(d_qk == kHeadDimV32 || d_qk == kHeadDimModel1, op,
               ": q head dim (dim 3) must be 576 (V3.2 cache) or 512 (MODEL1 cache), got ", d_qk);
   const KvFormat format = d_qk == kHeadDimV32 ? KvFormat::kV32 : KvFormat::kModel1;
@@ -345,7 +347,7 @@ DecodeResult sparse_decode_fwd(const Tensor& q, const Tensor& kv, const Tensor& 
   Tensor lse = at::empty({b, s_q, h_q}, q.options().dtype(kFloat));
 
   SparseDecodeParams p;
-  p.b = b, p.s_q = s_q, p.h_q = h_q, p.d_qk = d_qk, p.d_v = int(d_v);
+  p.b = b, p.s_q = s_q, p.h_q = h_q, p.d_qk = d_qk, p.d_v = narrow_int(op, d_v, "d_v");
   p.format = format;
   p.softmax_scale = float(sm_scale);
   p.q = static_cast<const uint16_t*>(q.data_ptr());

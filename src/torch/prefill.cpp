@@ -11,11 +11,12 @@ namespace mla::torch_ops {
 std::vector<Tensor> sparse_prefill_fwd(const Tensor& q, const Tensor& kv, const Tensor& indices, double sm_scale,
                                        int64_t d_v, const OptTensor& attn_sink, const OptTensor& topk_length) {
   const char* op = "sparse_prefill_fwd";
-  ArgChecker c(op, q.device());
+  ArgChecker c(op, device_of(op, q, "q"));
   c.tensor(q, "q", 3, {at::kBFloat16});
   c.tensor(kv, "kv", 3, {at::kBFloat16});
   c.tensor(indices, "indices", 3, {at::kInt});
   const int s_q = int(q.size(0)), h_q = int(q.size(1)), d_qk = int(q.size(2));
+  check_rows(op, q, int64_t(s_q) * h_q);
   MLA_TORCH_CHECK(kv.size(1) == 1, op, ": kv must have h_kv = 1 (dim 1), got ", kv.size(1));
   MLA_TORCH_CHECK(kv.size(2) == d_qk, op, ": kv head dim (dim 2) must equal q's (", d_qk, "), got ", kv.size(2));
   MLA_TORCH_CHECK(indices.size(0) == s_q && indices.size(1) == 1, op, ": indices must have shape [s_q, h_kv, topk] = [",
@@ -37,7 +38,7 @@ std::vector<Tensor> sparse_prefill_fwd(const Tensor& q, const Tensor& kv, const 
 
   SparsePrefillParams p;
   p.s_q = s_q, p.s_kv = int(kv.size(0)), p.h_q = h_q, p.topk = int(indices.size(2));
-  p.d_qk = d_qk, p.d_v = int(d_v);
+  p.d_qk = d_qk, p.d_v = narrow_int(op, d_v, "d_v");
   p.softmax_scale = float(sm_scale);
   p.log2_stats = true;  // sgl-kernel's convention; the Python API converts for lse_base="e"
   p.q = static_cast<const uint16_t*>(q.data_ptr());
@@ -75,7 +76,7 @@ KvFormat parse_format(const char* op, c10::string_view fmt) {
 Tensor quantize_kv_fp8(const Tensor& kv, c10::string_view fmt) {
   const char* op = "quantize_kv_fp8";
   const KvFormat f = parse_format(op, fmt);
-  ArgChecker c(op, kv.device());
+  ArgChecker c(op, device_of(op, kv, "kv"));
   MLA_TORCH_CHECK(kv.device().is_cpu(), op, ": ", kv.device(), " tensors have no kernel in this build");
   c.tensor(kv, "kv", 4, {at::kBFloat16});
   MLA_TORCH_CHECK(kv.size(2) == 1, op, ": kv must have h_k = 1 (dim 2), got ", kv.size(2));
@@ -96,7 +97,7 @@ Tensor quantize_kv_fp8(const Tensor& kv, c10::string_view fmt) {
 Tensor dequantize_kv_fp8(const Tensor& kv, c10::string_view fmt) {
   const char* op = "dequantize_kv_fp8";
   const KvFormat f = parse_format(op, fmt);
-  ArgChecker c(op, kv.device());
+  ArgChecker c(op, device_of(op, kv, "kv"));
   MLA_TORCH_CHECK(kv.device().is_cpu(), op, ": ", kv.device(), " tensors have no kernel in this build");
   c.tensor(kv, "kv", 4, {at::kByte, at::kChar, at::kFloat8_e4m3fn});
   const int bytes = bytes_per_token(f);
@@ -106,6 +107,9 @@ Tensor dequantize_kv_fp8(const Tensor& kv, c10::string_view fmt) {
   MLA_TORCH_CHECK(kv.size(1) <= 1 || kv.stride(1) == bytes, op,
               ": kv must store the tokens of a page block contiguously (stride(1) == ", bytes, "), got ",
               kv.stride(1));
+  MLA_TORCH_CHECK(kv.size(0) <= 1 || kv.stride(0) >= kv.size(1) * bytes, op,
+              ": kv page blocks must not overlap (stride(0) >= page_block_size * ", bytes, " = ", kv.size(1) * bytes,
+              "), got stride(0) ", kv.stride(0));
   const int64_t num_blocks = kv.size(0), page = kv.size(1), d = head_dim_qk(f);
   Tensor out = at::empty({num_blocks, page, 1, d}, kv.options().dtype(at::kBFloat16));
   const auto* src = static_cast<const uint8_t*>(kv.data_ptr());

@@ -129,13 +129,23 @@ def _mut_dense(name):
     if name == "unsupported_d_qk":
         a = dense_base(d=128)
         return a, names("d_qk|head_dim|head_size|q", "576|512")
+    if name == "head_dim_v_past_int32":  # 2^32 + 512 must not wrap to 512
+        a["head_dim_v"] = 2**32 + 512
+        return a, names("head_dim_v|head_size_v|d_v", "32 bits|512")
+    if name == "q_batch_past_int32":  # an expanded dimension of 2^32 + 2 must not read as 2
+        a["q"] = a["q"][:1].expand(2**32 + 2, -1, -1, -1)
+        return a, names("q|query", "2\\^31")
+    if name == "k_cache_page_past_int32":
+        a["k_cache"] = a["k_cache"][:, :1].expand(-1, 2**32 + 16, -1, -1)
+        return a, names("k_cache|kcache|kv_cache", "2\\^31")
     raise KeyError(name)
 
 
 DENSE_ERRORS = ["q_dtype", "k_cache_dtype", "block_table_dtype", "cache_seqlens_dtype", "q_rank", "k_cache_rank",
                 "block_table_rank", "q_last_dim_strided", "k_cache_last_dim_strided", "block_table_last_dim_strided",
                 "k_cache_head_dim_mismatch", "block_table_batch_mismatch", "cache_seqlens_batch_mismatch",
-                "h_q_not_multiple_of_h_k", "negative_cache_seqlens", "head_dim_v_not_512", "unsupported_d_qk"]
+                "h_q_not_multiple_of_h_k", "negative_cache_seqlens", "head_dim_v_not_512", "unsupported_d_qk",
+                "head_dim_v_past_int32", "q_batch_past_int32", "k_cache_page_past_int32"]
 
 
 def test_dense_baseline_is_valid():
@@ -209,6 +219,77 @@ def test_dense_cache_seqlens_beyond_block_table(path):
     """)
     assert re.search(names("cache_seqlens|seqlens_k|block_table", "exceed|capacity|too|larger|at most|<=|max|beyond|needs|columns"),
                      msg), msg
+
+
+@pytest.mark.parametrize("path", ["lazy", "legacy"])
+def test_dense_cache_seqlens_near_int32_max(path):
+    """A length whose page count overflows 32 bits (len + page - 1 past 2^31) must still be checked
+    against the block table, never read past it."""
+    msg = run_isolated(f"""
+        PATH = "{path}"
+        q = torch.randn(1, 1, 16, 576).bfloat16() / 10
+        kc = torch.randn(4, 16, 1, 576).bfloat16() / 10
+        bt = torch.tensor([[0, 1]], dtype=torch.int32)
+        sl = torch.tensor([2147483640], dtype=torch.int32)
+    """)
+    assert re.search(names("cache_seqlens|seqlens_k", "needs|columns|block_table"), msg), msg
+
+
+def test_dense_op_cache_seqlens_near_int32_max():
+    """The same through the op with a one-column table of 64-token pages (no crash there before: the
+    overflowing length silently attended the page)."""
+    kc = R.rand((4, 64, 1, 576))
+    with pytest.raises(RuntimeError, match=names("cache_seqlens|seqlens_k", "needs|columns|block_table")):
+        torch.ops.mla_kernels.dense_decode_fwd(R.rand((1, 1, 16, 576)), kc, 512,
+                                              torch.tensor([2147483637], dtype=torch.int32),
+                                              torch.tensor([[0]], dtype=torch.int32), 0.04, False, None, None)
+
+
+def test_dense_rows_past_int32():
+    """s_q * h_q past 2^32 (an expanded query) is an error naming q, not a division by zero."""
+    msg = run_isolated("""
+        PATH = "lazy"
+        q = torch.zeros(1, 1, 1, 576, dtype=torch.bfloat16).expand(1, 65536, 65536, 576)
+        kc = torch.zeros(1, 16, 1, 576, dtype=torch.bfloat16)
+        bt = torch.zeros(1, 1, dtype=torch.int32)
+        sl = torch.tensor([16], dtype=torch.int32)
+    """)
+    assert re.search(names("q", "2\\^31|rows"), msg), msg
+
+
+@pytest.mark.parametrize("name,pattern", _ids([
+    ("q_rank_2", names("q", "4-D")),
+    ("q_none", names("q", "4-D|None|NoneType")),
+    ("k_cache_rank_2", names("k_cache", "4-D")),
+    ("k_cache_none", names("k_cache", "4-D|None|NoneType")),
+    ("indices_rank_0", names("indices", "3-D")),
+    ("extra_k_cache_rank_1", names("extra_k_cache", "4-D")),
+]))
+def test_lazy_path_reads_no_unchecked_shape(name, pattern):
+    """The FlashMLASchedMeta path reads shapes for its Config before any op runs: a missing or
+    wrong-rank tensor there is an error naming it, not an IndexError or AttributeError."""
+    a = sparse_base() if name.startswith(("indices", "extra")) else dense_base()
+    kv = a.get("k_cache", a.get("kv"))
+    q = a["q"]
+    kw = {}
+    if name.startswith(("indices", "extra")):
+        kw = dict(is_fp8_kvcache=True, indices=a["indices"], extra_k_cache=a["extra_kv"],
+                  extra_indices_in_kvcache=a["extra_indices"])
+        if name == "indices_rank_0":
+            kw["indices"] = torch.tensor(3, dtype=torch.int32)
+        else:
+            kw["extra_k_cache"] = a["extra_kv"].flatten()
+    elif name == "q_rank_2":
+        q = q[0, 0]
+    elif name == "q_none":
+        q = None
+    elif name == "k_cache_rank_2":
+        kv = kv[:, :, 0, 0]
+    elif name == "k_cache_none":
+        kv = None
+    meta, _ = flash_mla.get_mla_metadata()
+    with pytest.raises(ValueError, match=pattern):
+        flash_mla.flash_mla_with_kvcache(q, kv, a.get("block_table"), a.get("cache_seqlens"), 512, meta, **kw)
 
 
 @pytest.mark.parametrize("name,pattern", _ids([
@@ -450,6 +531,33 @@ def test_sparse_prefill_errors(name):
         call_prefill(a)
 
 
+def test_prefill_q_none():
+    a = prefill_base()
+    with raises_named(names("q", "None")):
+        flash_mla.flash_mla_sparse_fwd(None, a["kv"], a["indices"], 1.0)
+
+
+@pytest.mark.parametrize("name", ["q_heads", "kv_tokens"])
+def test_prefill_sizes_past_int32(name):
+    """An expanded dimension of 2^32 + k is an error naming the tensor, never read as k."""
+    a = prefill_base()
+    if name == "q_heads":
+        a["q"] = a["q"][:, :1].expand(-1, 2**32 + 16, -1)
+        pattern = names("q", "2\\^31")
+    else:
+        a["kv"] = a["kv"][:1].expand(2**32 + 1, -1, -1)
+        pattern = names("kv", "2\\^31")
+    with raises_named(pattern):
+        call_prefill(a)
+
+
+def test_sparse_decode_sizes_past_int32():
+    a = sparse_base()
+    a["q"] = a["q"][:1].expand(2**32 + 2, -1, -1, -1)
+    with raises_named(names("q", "2\\^31")):
+        call_sparse(a)
+
+
 def test_prefill_bad_lse_base():
     with pytest.raises(ERRORS, match=names("lse_base", "2|e")):
         call_prefill(prefill_base(), lse_base=10)
@@ -464,6 +572,7 @@ def test_prefill_bad_lse_base():
     ("wrong_rank", names("kv|kv_bf16|dim|rank|shape", "4|dim|rank")),
     ("h_not_1", names("kv|kv_bf16|h|heads|shape|dim", "1")),
     ("dequant_wrong_bytes", names("kv8|kv|bytes|shape", "584|656")),
+    ("dequant_overlapping_blocks", names("kv", "overlap|stride")),
 ]))
 def test_format_helper_errors(name, pattern):
     with pytest.raises(ERRORS, match=pattern):
@@ -479,6 +588,35 @@ def test_format_helper_errors(name, pattern):
             flash_mla.quantize_kv_fp8(R.rand((1, 4, 2, 576)), "v32")
         elif name == "dequant_wrong_bytes":
             flash_mla.dequantize_kv_fp8(torch.zeros(1, 4, 1, 656, dtype=torch.uint8), "model1")
+        elif name == "dequant_overlapping_blocks":  # block n + 1 starts inside block n
+            base = torch.zeros(4 * 4 * 584, dtype=torch.uint8)
+            flash_mla.dequantize_kv_fp8(base.as_strided((3, 4, 1, 584), (584, 584, 584, 1)), "model1")
+
+
+@pytest.mark.parametrize("name,pattern", _ids([
+    ("dense_h_k_zero", names("kcache", "h_k|> 0")),
+    ("dense_q_rank_3", names("q", "4-D")),
+    ("sparse_plan_without_h_q", names("num_heads_q|h_q", "> 0|None")),
+    ("quantize_bad_fmt", names("fmt", "v32|model1")),
+]))
+def test_fake_kernels_check_arguments(name, pattern):
+    """The fake (meta) kernels torch.compile traces with reject what the real ops reject, naming the
+    argument, instead of a ZeroDivisionError or an unpacking error."""
+    ops = torch.ops.mla_kernels
+    meta = dict(device="meta")
+    q = torch.empty(2, 1, 16, 576, dtype=torch.bfloat16, **meta)
+    kc = torch.empty(4, 16, 1, 576, dtype=torch.bfloat16, **meta)
+    sl = torch.empty(2, dtype=torch.int32, **meta)
+    bt = torch.empty(2, 2, dtype=torch.int32, **meta)
+    with pytest.raises(ValueError, match=pattern):
+        if name == "dense_h_k_zero":
+            ops.dense_decode_fwd(q, kc[:, :, :0], 512, sl, bt, 1.0, False, None, None)
+        elif name == "dense_q_rank_3":
+            ops.dense_decode_fwd(q[0], kc, 512, sl, bt, 1.0, False, None, None)
+        elif name == "sparse_plan_without_h_q":
+            ops.get_mla_decoding_metadata(sl, 16, 1, None, True, 64)
+        else:
+            ops.quantize_kv_fp8(torch.empty(1, 4, 1, 576, dtype=torch.bfloat16, **meta), "v4")
 
 
 # ----------------------------------------------------------------------------- CUDA only
