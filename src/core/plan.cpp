@@ -24,6 +24,8 @@ void plan_decode_host(const DecodePlanParams& p) { plan_decode_host_part(p, -1);
 
 void plan_decode_host_part(const DecodePlanParams& p, int only_part) {
   check_lengths(p);
+  MLA_CHECK(only_part >= -1 && only_part < p.num_sm_parts, "part must be in [0, num_sm_parts = ", p.num_sm_parts,
+            ") (or -1 for every row), got ", only_part);
   std::vector<int> blocks(p.b);
   const int f = plan_fixed(p);
   long long total = 0;

@@ -16,9 +16,18 @@ void check_common_decode(int b, int s_q, int h_q, int d_v, float scale) {
   MLA_CHECK(std::isfinite(scale), "softmax_scale must be finite, got ", scale);
 }
 
+// The outputs every decode call writes through. The API cannot see whether a pointer is valid, but
+// a null one is an error, not a crash.
+void check_decode_outputs(const DecodeOutput& o) {
+  MLA_CHECK(o.out != nullptr, "out must not be null");
+  MLA_CHECK(o.lse != nullptr, "lse must not be null");
+}
+
 void check_sparse_cache(const SparseKvCache& c, KvFormat f, const char* name) {
   MLA_CHECK(c.page_block_size > 0, name, ": page_block_size (dim 1) must be > 0, got ", c.page_block_size);
   MLA_CHECK(c.num_blocks >= 0, name, ": num_blocks must be >= 0, got ", c.num_blocks);
+  MLA_CHECK(c.num_blocks == 0 || c.data != nullptr, name, ": data must not be null with ", c.num_blocks,
+            " page blocks");
   const int64_t block_bytes = int64_t(c.page_block_size) * bytes_per_token(f);
   MLA_CHECK(c.num_blocks <= 1 || c.stride_block >= block_bytes, name, ": stride(0) must be >= page_block_size * ",
             bytes_per_token(f), " = ", block_bytes, " bytes, got ", c.stride_block);
@@ -32,6 +41,15 @@ void validate(const DenseDecodeParams& p) {
   MLA_CHECK(p.h_q % p.h_k == 0, "q: h_q (", p.h_q, ") must be a multiple of h_k (", p.h_k, ")");
   MLA_CHECK(p.d_qk == kHeadDimV32 || p.d_qk == kHeadDimModel1, "q: head dim (dim 3) must be 576 or 512, got ", p.d_qk);
   MLA_CHECK(p.page_block_size > 0, "k_cache: page_block_size (dim 1) must be > 0, got ", p.page_block_size);
+  MLA_CHECK(p.num_blocks >= 0, "k_cache: num_blocks (dim 0) must be >= 0, got ", p.num_blocks);
+  MLA_CHECK(p.max_blocks_per_seq >= 0, "block_table: max_blocks_per_seq (dim 1) must be >= 0, got ",
+            p.max_blocks_per_seq);
+  MLA_CHECK(p.q != nullptr, "q must not be null");
+  MLA_CHECK(p.num_blocks == 0 || p.k_cache != nullptr, "k_cache must not be null with ", p.num_blocks,
+            " page blocks");
+  MLA_CHECK(p.seqlens_k != nullptr, "seqlens_k (cache_seqlens) must not be null");
+  MLA_CHECK(p.max_blocks_per_seq == 0 || p.block_table != nullptr, "block_table must not be null");
+  check_decode_outputs(p.o);
   MLA_CHECK(p.dtype == DType::kBF16 || p.dtype == DType::kFP16 || p.dtype == DType::kFP8E4M3,
             "q: dtype must be bfloat16, float16 or float8_e4m3fn, got ", to_string(p.dtype));
   if (p.dtype == DType::kFP8E4M3) {
@@ -46,6 +64,13 @@ void validate(const DenseDecodeParams& p) {
 void validate(const SparseDecodeParams& p) {
   check_common_decode(p.b, p.s_q, p.h_q, p.d_v, p.softmax_scale);
   MLA_CHECK(p.h_q <= kMaxHeadsQ, "q: h_q (dim 2) must be <= ", kMaxHeadsQ, ", got ", p.h_q);
+  MLA_CHECK(p.format == KvFormat::kV32 || p.format == KvFormat::kModel1, "format must be V3.2 or MODEL1, got ",
+            int(p.format));
+  MLA_CHECK(p.o.out_dtype == DType::kBF16, "out: dtype must be bfloat16 (sparse decode), got ",
+            to_string(p.o.out_dtype));
+  MLA_CHECK(p.q != nullptr, "q must not be null");
+  MLA_CHECK(p.indices != nullptr, "indices must not be null");
+  check_decode_outputs(p.o);
   MLA_CHECK(p.d_qk == head_dim_qk(p.format), "q: head dim (dim 3) must be ", head_dim_qk(p.format), " for the ",
             to_string(p.format), " cache format, got ", p.d_qk);
   MLA_CHECK(p.topk > 0, "indices: topk (dim 2) must be > 0, got ", p.topk);
@@ -59,6 +84,14 @@ void validate(const SparseDecodeParams& p) {
   }
 }
 
+void validate_split(const DecodeSplit& s) {
+  MLA_CHECK(s.num_sm_parts > 0, "num_sm_parts must be > 0, got ", s.num_sm_parts);
+  MLA_CHECK(s.tile_scheduler_metadata != nullptr, "tile_scheduler_metadata must not be null");
+  MLA_CHECK(s.num_splits != nullptr, "num_splits must not be null");
+  MLA_CHECK(s.num_sm_parts == 1 || (s.o_accum != nullptr && s.lse_accum != nullptr),
+            "o_accum and lse_accum (the split workspace) must not be null with num_sm_parts = ", s.num_sm_parts);
+}
+
 void validate(const SparsePrefillParams& p) {
   MLA_CHECK(p.s_q > 0, "q: s_q (dim 0) must be > 0, got ", p.s_q);
   MLA_CHECK(p.s_kv > 0, "kv: s_kv (dim 0) must be > 0, got ", p.s_kv);
@@ -67,6 +100,9 @@ void validate(const SparsePrefillParams& p) {
   MLA_CHECK(p.d_v == kHeadDimV, "d_v must be ", kHeadDimV, ", got ", p.d_v);
   MLA_CHECK(p.topk > 0, "indices: topk (dim 2) must be > 0, got ", p.topk);
   MLA_CHECK(std::isfinite(p.softmax_scale), "sm_scale must be finite, got ", p.softmax_scale);
+  MLA_CHECK(p.q != nullptr && p.kv != nullptr && p.indices != nullptr, "q, kv and indices must not be null");
+  MLA_CHECK(p.out != nullptr && p.max_logits != nullptr && p.lse != nullptr,
+            "out, max_logits and lse must not be null");
 }
 
 }  // namespace mla

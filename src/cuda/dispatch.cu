@@ -9,6 +9,7 @@
 #include "common/plan_block.cuh"
 #include "implementations.h"
 #include "mla/dispatch.h"
+#include "mla/validate.h"
 
 namespace mla::cuda {
 
@@ -118,8 +119,14 @@ int parts_of(const DenseDecodeParams& p) { return p.split.num_sm_parts; }
 int parts_of(const SparseDecodeParams& p) { return p.split.num_sm_parts; }
 int parts_of(const SparsePrefillParams&) { return 0; }
 
+// The host-side checks of the C++ API (mla::Error naming the argument), before anything launches.
+void validate_call(const DenseDecodeParams& p) { validate(p), validate_split(p.split); }
+void validate_call(const SparseDecodeParams& p) { validate(p), validate_split(p.split); }
+void validate_call(const SparsePrefillParams& p) { validate(p); }
+
 template <typename Params>
 cudaError_t run(const std::vector<Implementation<Params>>& table, OpKind op, const Params& p, cudaStream_t stream) {
+  validate_call(p);
   static const std::vector<ImplementationInfo> infos = infos_of(table);
   const int i = select_implementation(infos, op, device_arch(), required_features(p), forced_implementation());
   Params call = p;

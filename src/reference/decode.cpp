@@ -251,12 +251,14 @@ void combine(const CombineParams& p) {
 
 void dense_decode(const DenseDecodeParams& p) {
   validate(p);
+  validate_split(p.split);
   check_block_table(p);
   run_decode(DenseProblem(p));
 }
 
 void sparse_decode(const SparseDecodeParams& p) {
   validate(p);
+  validate_split(p.split);
   run_decode(SparseProblem(p));
 }
 
