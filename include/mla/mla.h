@@ -25,7 +25,9 @@ const char* implementation_name(OpKind op, uint32_t features);
 // Decode attention, then the split combine, on `stream`. params.split must hold a plan for these
 // lengths (plan_decode) and a workspace of decode_workspace_bytes(); pointers are device pointers.
 // The implementation comes from the dispatch table (mla/dispatch.h); a call no implementation
-// supports throws mla::Error naming the missing features.
+// supports throws mla::Error naming the missing features. The params are checked first (mla/validate.h:
+// sizes, dtypes, formats, null pointers, the plan and split workspace), each bad one an mla::Error
+// naming it; device data (lengths, indices, block tables) cannot be checked without a host sync.
 // Alignment: q, caches and their strides at 16 bytes.
 cudaError_t dense_decode(const DenseDecodeParams& params, cudaStream_t stream);
 cudaError_t sparse_decode(const SparseDecodeParams& params, cudaStream_t stream);

@@ -20,11 +20,15 @@ def num_sms(device: torch.device) -> int:
 
 
 def num_sm_parts_dense(device, s_q, h_q, h_k):
+    if s_q <= 0 or h_q <= 0 or h_k <= 0 or h_q % h_k:  # shapes the checks reject (as in plan.h)
+        return 1
     rows = s_q * (h_q // h_k)
     return max(num_sms(device) // h_k // math.ceil(rows / 64), 1)
 
 
 def num_sm_parts_sparse(device, s_q, h_q):
+    if s_q <= 0 or h_q <= 0:
+        return 1
     return max(num_sms(device) // s_q // math.ceil(h_q / 64), 1)
 
 
@@ -62,6 +66,8 @@ def _(seqlens_k, num_q_tokens_per_head_k, h_k, h_q=None, is_fp8_kvcache=False, t
     _check_positive(op, "h_k", h_k)
     if topk is not None:
         _check_positive(op, "num_heads_q (h_q, required with topk)", h_q)
+        _check(num_q_tokens_per_head_k % h_q == 0, op,
+               f"num_q_tokens_per_head_k ({num_q_tokens_per_head_k}) must be s_q * num_heads_q (num_heads_q = {h_q})")
     b = seqlens_k.shape[0]
     if topk is not None:
         parts = num_sm_parts_sparse(seqlens_k.device, num_q_tokens_per_head_k // h_q, h_q)
@@ -100,6 +106,8 @@ def _(q, kcache, head_size_v, seqlens_k, block_table, softmax_scale, is_causal, 
     _check_rank("dense_decode_fwd", "q", q, 4)
     _check_rank("dense_decode_fwd", "kcache", kcache, 4)
     _check(kcache.shape[2] > 0, "dense_decode_fwd", f"kcache h_k (dim 2) must be > 0, got {kcache.shape[2]}")
+    _check(q.shape[1] > 0 and q.shape[2] > 0 and q.shape[2] % kcache.shape[2] == 0, "dense_decode_fwd",
+           f"q must have s_q > 0 and h_q a positive multiple of h_k ({kcache.shape[2]}), got shape {list(q.shape)}")
     out, lse = _dense_outputs(q, q.dtype)
     if tile_scheduler_metadata is not None:
         return out, lse, None, None
@@ -112,6 +120,7 @@ def _(q, kcache, head_size_v, seqlens_k, block_table, softmax_scale, is_causal, 
 def _(q, kv, indices, topk_length, attn_sink, tile_scheduler_metadata, num_splits, extra_kv, extra_indices,
       extra_topk_length, d_v, sm_scale):
     _check_rank("sparse_decode_fwd", "q", q, 4)
+    _check(q.shape[1] > 0 and q.shape[2] > 0, "sparse_decode_fwd", f"q must have s_q, h_q > 0, got shape {list(q.shape)}")
     out, lse = _sparse_outputs(q)
     if tile_scheduler_metadata is not None:
         return out, lse, None, None

@@ -1,6 +1,7 @@
 #include "mla/validate.h"
 
 #include <cmath>
+#include <utility>
 
 #include "mla/formats.h"
 
@@ -48,7 +49,8 @@ void validate(const DenseDecodeParams& p) {
   MLA_CHECK(p.num_blocks == 0 || p.k_cache != nullptr, "k_cache must not be null with ", p.num_blocks,
             " page blocks");
   MLA_CHECK(p.seqlens_k != nullptr, "seqlens_k (cache_seqlens) must not be null");
-  MLA_CHECK(p.max_blocks_per_seq == 0 || p.block_table != nullptr, "block_table must not be null");
+  MLA_CHECK(p.max_blocks_per_seq == 0 || p.block_table != nullptr, "block_table must not be null with ",
+            p.max_blocks_per_seq, " columns (max_blocks_per_seq)");
   check_decode_outputs(p.o);
   MLA_CHECK(p.dtype == DType::kBF16 || p.dtype == DType::kFP16 || p.dtype == DType::kFP8E4M3,
             "q: dtype must be bfloat16, float16 or float8_e4m3fn, got ", to_string(p.dtype));
@@ -68,12 +70,13 @@ void validate(const SparseDecodeParams& p) {
             int(p.format));
   MLA_CHECK(p.o.out_dtype == DType::kBF16, "out: dtype must be bfloat16 (sparse decode), got ",
             to_string(p.o.out_dtype));
-  MLA_CHECK(p.q != nullptr, "q must not be null");
-  MLA_CHECK(p.indices != nullptr, "indices must not be null");
-  check_decode_outputs(p.o);
   MLA_CHECK(p.d_qk == head_dim_qk(p.format), "q: head dim (dim 3) must be ", head_dim_qk(p.format), " for the ",
             to_string(p.format), " cache format, got ", p.d_qk);
   MLA_CHECK(p.topk > 0, "indices: topk (dim 2) must be > 0, got ", p.topk);
+  // Pointers after the sizes that say a tensor is not empty (an empty one may have none).
+  MLA_CHECK(p.q != nullptr, "q must not be null");
+  MLA_CHECK(p.indices != nullptr, "indices must not be null");
+  check_decode_outputs(p.o);
   check_sparse_cache(p.kv, p.format, "kv");
   if (p.extra_kv.data || p.extra_indices) {
     MLA_CHECK(p.extra_kv.data && p.extra_indices, "extra_kv and extra_indices must be given together");
@@ -100,9 +103,9 @@ void validate(const SparsePrefillParams& p) {
   MLA_CHECK(p.d_v == kHeadDimV, "d_v must be ", kHeadDimV, ", got ", p.d_v);
   MLA_CHECK(p.topk > 0, "indices: topk (dim 2) must be > 0, got ", p.topk);
   MLA_CHECK(std::isfinite(p.softmax_scale), "sm_scale must be finite, got ", p.softmax_scale);
-  MLA_CHECK(p.q != nullptr && p.kv != nullptr && p.indices != nullptr, "q, kv and indices must not be null");
-  MLA_CHECK(p.out != nullptr && p.max_logits != nullptr && p.lse != nullptr,
-            "out, max_logits and lse must not be null");
+  for (auto [ptr, name] : {std::pair<const void*, const char*>{p.q, "q"}, {p.kv, "kv"}, {p.indices, "indices"},
+                            {p.out, "out"}, {p.max_logits, "max_logits"}, {p.lse, "lse"}})
+    MLA_CHECK(ptr != nullptr, name, " must not be null");
 }
 
 }  // namespace mla

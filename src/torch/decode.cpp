@@ -133,9 +133,7 @@ DecodeResult dense_decode(const char* op, const DenseArgs& a, bool fp8) {
   } else {
     c.tensor(a.q, "q", 4, {at::kBFloat16, at::kHalf});
   }
-  MLA_TORCH_CHECK(a.kcache.scalar_type() == a.q.scalar_type(), op, ": kcache must have the dtype of q (",
-              a.q.scalar_type(), "), got ", a.kcache.scalar_type());
-  c.tensor(a.kcache, "kcache", 4, {a.q.scalar_type()});
+  c.tensor(a.kcache, "kcache", 4, {a.q.scalar_type()});  // q's dtype
   c.tensor(a.seqlens_k, "seqlens_k", 1, {kInt32});
   c.contiguous(a.seqlens_k, "seqlens_k");
   c.tensor(a.block_table, "block_table", 2, {kInt32});
@@ -143,6 +141,7 @@ DecodeResult dense_decode(const char* op, const DenseArgs& a, bool fp8) {
   const int b = int(a.q.size(0)), s_q = int(a.q.size(1)), h_q = int(a.q.size(2)), d_qk = int(a.q.size(3));
   const int h_k = int(a.kcache.size(2));
   check_rows(op, a.q, int64_t(b) * s_q * h_q);
+  const int d_v = narrow_int(op, a.head_size_v, "head_size_v");
   MLA_TORCH_CHECK(a.kcache.size(3) == d_qk, op, ": kcache head dim (dim 3) must equal q's (", d_qk, "), got ",
               a.kcache.size(3));
   c.shape(a.seqlens_k, "seqlens_k", {b}, "[b]");
@@ -173,7 +172,7 @@ DecodeResult dense_decode(const char* op, const DenseArgs& a, bool fp8) {
   Tensor lse = at::empty({b, h_q, s_q}, a.q.options().dtype(kFloat));
 
   DenseDecodeParams p;
-  p.b = b, p.s_q = s_q, p.h_q = h_q, p.h_k = h_k, p.d_qk = d_qk, p.d_v = narrow_int(op, a.head_size_v, "head_size_v");
+  p.b = b, p.s_q = s_q, p.h_q = h_q, p.h_k = h_k, p.d_qk = d_qk, p.d_v = d_v;
   p.page_block_size = int(a.kcache.size(1)), p.num_blocks = int(a.kcache.size(0));
   p.max_blocks_per_seq = int(a.block_table.size(1));
   p.dtype = dtype_of(a.q);
@@ -306,6 +305,7 @@ DecodeResult sparse_decode_fwd(const Tensor& q, const Tensor& kv, const Tensor& 
   c.tensor(q, "q", 4, {at::kBFloat16});
   const int b = int(q.size(0)), s_q = int(q.size(1)), h_q = int(q.size(2)), d_qk = int(q.size(3));
   check_rows(op, q, int64_t(b) * s_q * h_q);
+  const int d_v32 = narrow_int(op, d_v, "d_v");
   MLA_TORCH_CHECK(d_qk == kHeadDimV32 || d_qk == kHeadDimModel1, op,
               ": q head dim (dim 3) must be 576 (V3.2 cache) or 512 (MODEL1 cache), got ", d_qk);
   const KvFormat format = d_qk == kHeadDimV32 ? KvFormat::kV32 : KvFormat::kModel1;
@@ -347,7 +347,7 @@ DecodeResult sparse_decode_fwd(const Tensor& q, const Tensor& kv, const Tensor& 
   Tensor lse = at::empty({b, s_q, h_q}, q.options().dtype(kFloat));
 
   SparseDecodeParams p;
-  p.b = b, p.s_q = s_q, p.h_q = h_q, p.d_qk = d_qk, p.d_v = narrow_int(op, d_v, "d_v");
+  p.b = b, p.s_q = s_q, p.h_q = h_q, p.d_qk = d_qk, p.d_v = d_v32;
   p.format = format;
   p.softmax_scale = float(sm_scale);
   p.q = static_cast<const uint16_t*>(q.data_ptr());

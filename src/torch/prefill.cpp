@@ -17,6 +17,7 @@ std::vector<Tensor> sparse_prefill_fwd(const Tensor& q, const Tensor& kv, const 
   c.tensor(indices, "indices", 3, {at::kInt});
   const int s_q = int(q.size(0)), h_q = int(q.size(1)), d_qk = int(q.size(2));
   check_rows(op, q, int64_t(s_q) * h_q);
+  const int d_v32 = narrow_int(op, d_v, "d_v");
   MLA_TORCH_CHECK(kv.size(1) == 1, op, ": kv must have h_kv = 1 (dim 1), got ", kv.size(1));
   MLA_TORCH_CHECK(kv.size(2) == d_qk, op, ": kv head dim (dim 2) must equal q's (", d_qk, "), got ", kv.size(2));
   MLA_TORCH_CHECK(indices.size(0) == s_q && indices.size(1) == 1, op, ": indices must have shape [s_q, h_kv, topk] = [",
@@ -38,7 +39,7 @@ std::vector<Tensor> sparse_prefill_fwd(const Tensor& q, const Tensor& kv, const 
 
   SparsePrefillParams p;
   p.s_q = s_q, p.s_kv = int(kv.size(0)), p.h_q = h_q, p.topk = int(indices.size(2));
-  p.d_qk = d_qk, p.d_v = narrow_int(op, d_v, "d_v");
+  p.d_qk = d_qk, p.d_v = d_v32;
   p.softmax_scale = float(sm_scale);
   p.log2_stats = true;  // sgl-kernel's convention; the Python API converts for lse_base="e"
   p.q = static_cast<const uint16_t*>(q.data_ptr());

@@ -405,6 +405,7 @@ TEST(Plan, PartsCount) {
   EXPECT_EQ(num_sm_parts_dense(4, 4, 128, 8), 1);
   EXPECT_EQ(num_sm_parts_sparse(132, 2, 128), 33);
   EXPECT_EQ(num_sm_parts_sparse(132, 1, 16), 132);
+  EXPECT_EQ(num_sm_parts_dense(132, 65536, 65536, 1), 1);  // 2^32 rows: counted in 64 bits, no division by 0
 }
 
 }  // namespace

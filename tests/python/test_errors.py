@@ -446,6 +446,9 @@ SPARSE_ERRORS = {
     "causal": ("causal", lambda a: True, names("causal", "sparse|False|not|must|support")),
     "not_fp8": ("is_fp8", lambda a: False, names("is_fp8_kvcache|is_fp8|fp8", "sparse|True|must|require")),
     "topk_zero": ("indices", lambda a: a["indices"][..., :0], names("topk|indices", "> ?0|positive|empty|zero|at least")),
+    # A fresh empty tensor has no data pointer: still the size error, not "indices must not be null".
+    "topk_zero_fresh": ("indices", lambda a: torch.empty(2, 1, 0, dtype=torch.int32),
+                        names("topk|indices", "> ?0|positive|empty|zero|at least")),
 }
 
 
@@ -597,6 +600,9 @@ def test_format_helper_errors(name, pattern):
     ("dense_h_k_zero", names("kcache", "h_k|> 0")),
     ("dense_q_rank_3", names("q", "4-D")),
     ("sparse_plan_without_h_q", names("num_heads_q|h_q", "> 0|None")),
+    ("sparse_plan_heads_not_dividing", names("num_q_tokens_per_head_k", "num_heads_q")),
+    ("dense_h_q_not_multiple_of_h_k", names("q", "multiple")),
+    ("sparse_h_q_zero", names("q", "h_q > 0")),
     ("quantize_bad_fmt", names("fmt", "v32|model1")),
 ]))
 def test_fake_kernels_check_arguments(name, pattern):
@@ -615,6 +621,14 @@ def test_fake_kernels_check_arguments(name, pattern):
             ops.dense_decode_fwd(q[0], kc, 512, sl, bt, 1.0, False, None, None)
         elif name == "sparse_plan_without_h_q":
             ops.get_mla_decoding_metadata(sl, 16, 1, None, True, 64)
+        elif name == "sparse_plan_heads_not_dividing":
+            ops.get_mla_decoding_metadata(sl, 8, 1, 16, True, 64)
+        elif name == "dense_h_q_not_multiple_of_h_k":
+            ops.dense_decode_fwd(q[:, :, :1], kc.expand(-1, -1, 2, -1), 512, sl, bt, 1.0, False, None, None)
+        elif name == "sparse_h_q_zero":
+            kv8 = torch.empty(4, 16, 1, 656, dtype=torch.uint8, **meta)
+            idx = torch.empty(2, 1, 8, dtype=torch.int32, **meta)
+            ops.sparse_decode_fwd(q[:, :, :0], kv8, idx, None, None, None, None, None, None, None, 512, 1.0)
         else:
             ops.quantize_kv_fp8(torch.empty(1, 4, 1, 576, dtype=torch.bfloat16, **meta), "v4")
 
