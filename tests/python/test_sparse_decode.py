@@ -170,6 +170,24 @@ def test_extra_topk_length_zero(fmt, device):
 
 
 @pytest.mark.parametrize("fmt", ["v32", "model1"])
+def test_extra_cache_without_blocks(fmt, device):
+    """An extra cache of zero page blocks (no index can name a token in it) is the call without an
+    extra cache, not an error."""
+    main = R.make_sparse_cache(fmt, 2, 1, 256, 64, 64)
+    q = R.rand((2, 1, 16, R.FORMATS[fmt].d))
+    empty = torch.empty(0, 64, 1, main.kv8.shape[-1], dtype=torch.uint8)
+    indices = torch.tensor([[[-1, 0, 5, 63]], [[3, -1, 2**30, 1]]], dtype=torch.int32)
+    meta, _ = flash_mla.get_mla_metadata()
+    d = lambda t: R.to_device(t, device)
+    out, lse = flash_mla.flash_mla_with_kvcache(d(q), d(main.kv8), None, None, 512, meta, softmax_scale=0.05,
+                                                is_fp8_kvcache=True, indices=d(main.indices), extra_k_cache=d(empty),
+                                                extra_indices_in_kvcache=d(indices))
+    want_out, want_lse = run_sparse(q, main, scale=0.05, device=device)
+    assert torch.equal(R.to_cpu(out, device), want_out)
+    assert torch.equal(R.to_cpu(lse, device), want_lse)
+
+
+@pytest.mark.parametrize("fmt", ["v32", "model1"])
 def test_duplicates_count_twice(fmt, device):
     b, s_q, h_q, topk = 1, 2, 16, 8
     main, _ = build(fmt, b, s_q, 64, topk, 16, invalid=0.0, device=device)
