@@ -39,6 +39,7 @@ def _check(cond, op, message):
 
 
 def _check_rank(op, name, t, ndim):
+    """t must be a tensor of ndim dimensions (ValueError naming it otherwise)."""
     got = f"shape {list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
     _check(isinstance(t, torch.Tensor) and t.dim() == ndim, op, f"{name} must be a {ndim}-D tensor, got {got}")
 

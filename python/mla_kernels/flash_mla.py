@@ -80,12 +80,9 @@ def get_mla_metadata(
     return tsm, num_splits
 
 
-def _check_tensor(op: str, name: str, value, ndim: int) -> None:
-    """The shapes this module reads before the op checks them: a missing or wrong-rank tensor is an
-    error naming it, not an IndexError."""
-    if not isinstance(value, torch.Tensor) or value.dim() != ndim:
-        got = f"shape {list(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
-        raise ValueError(f"{op}: {name} must be a {ndim}-D tensor, got {got}")
+# The shapes this module reads before the ops check them: a missing or wrong-rank tensor is an error
+# naming it (ValueError), not an IndexError; the same check as the fake kernels'.
+_check_tensor = _ops._check_rank
 
 
 def _check_config(sched: FlashMLASchedMeta, config: FlashMLASchedMeta.Config) -> None:
