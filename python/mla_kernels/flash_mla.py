@@ -140,8 +140,8 @@ def _with_sched_meta(
         assert cache_seqlens is not None, "flash_mla_with_kvcache: cache_seqlens is required for dense attention"
         if q.element_size() == 1:
             # Dense FP8 decode plans through its own metadata op, once, like the lazy dense path.
-            if k_cache.shape[2] <= 0:
-                raise ValueError(f"flash_mla_with_kvcache: k_cache h_k (dim 2) must be > 0, got {k_cache.shape[2]}")
+            _ops._check(k_cache.shape[2] > 0, "flash_mla_with_kvcache",
+                        f"k_cache h_k (dim 2) must be > 0, got {k_cache.shape[2]}")
             if sched.tile_scheduler_metadata is None:
                 sched.tile_scheduler_metadata, sched.num_splits = _ops_ns.get_mla_decoding_metadata_dense_fp8(
                     cache_seqlens, q.shape[1] * q.shape[2] // k_cache.shape[2], k_cache.shape[2]
