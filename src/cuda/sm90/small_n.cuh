@@ -39,7 +39,8 @@ __device__ __forceinline__ T small_from_float(float v) {
 #if defined(MLA_SM90A_DEVICE)
 
 // k_tile(t): the shared-memory address of key tile t (0 <= t < kTiles).
-template <typename T, int N, int kTiles, typename KTile>
+// kWait false: the products are committed as one group and left in flight (the caller waits).
+template <typename T, int N, int kTiles, bool kWait = true, typename KTile>
 __device__ __forceinline__ void small_qk(const KTile& k_tile, const uint8_t (*q)[N * 128], float (&s)[N / 2]) {
   wgmma_fence();
   const uint64_t dq = smem_desc(q[0], 0, 1024);  // the Q tiles are consecutive
@@ -51,8 +52,10 @@ __device__ __forceinline__ void small_qk(const KTile& k_tile, const uint8_t (*q)
       wgmma_ss_small<T, N, 0>(s, desc_offset(dk, kk * 32), desc_offset(dq, t * N * 128 + kk * 32), t > 0 || kk > 0);
   }
   wgmma_commit();
-  wgmma_wait<0>();
-  fence_regs(s);
+  if constexpr (kWait) {
+    wgmma_wait<0>();
+    fence_regs(s);
+  }
 }
 
 // A piece's starting state: running maxima -inf, partial sums and O^T zero.
@@ -143,7 +146,7 @@ __device__ __forceinline__ void small_softmax(float (&s)[N / 2], const float (*w
   fence_proxy_async();  // P is read by wgmma next
 }
 
-template <typename T, int N, typename KTile>
+template <typename T, int N, bool kWait = true, typename KTile>
 __device__ __forceinline__ void small_pv(const KTile& k_tile, const uint8_t* p, float (&o)[kSmallVTiles][N / 2]) {
   wgmma_fence();
   const uint64_t dp = smem_desc(p, 0, 1024);
@@ -155,9 +158,11 @@ __device__ __forceinline__ void small_pv(const KTile& k_tile, const uint8_t* p, 
       wgmma_ss_small<T, N, 1>(o[mt], desc_offset(dv, kk * 2048), desc_offset(dp, kk * 32), 1);
   }
   wgmma_commit();
-  wgmma_wait<0>();
+  if constexpr (kWait) {
+    wgmma_wait<0>();
 #pragma unroll
-  for (int mt = 0; mt < kSmallVTiles; ++mt) fence_regs(o[mt]);
+    for (int mt = 0; mt < kSmallVTiles; ++mt) fence_regs(o[mt]);
+  }
 }
 
 // Publishes each warp's column sums (the caller synchronises, then adds the four warps').

@@ -252,6 +252,10 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_small_kernel(const 
       float m_run[kNT][2], l_part[kNT][2], o[kVTiles][N / 2];
       small_start<N>(m_run, l_part, o);
 
+      // O^T of block j stays in flight while block j + 1's S^T is issued behind it: the tensor
+      // cores go from one to the other without draining, and the wait for the next full buffer
+      // overlaps O^T. Block j's buffer goes back once its O^T is done (the older group).
+      bool pv_in_flight = false;
       for (int blk = block_begin; blk < block_end; ++blk, ++block_count) {
         const int buf = block_count & 1;
         mbar_wait(&sm.full[buf], (block_count / 2) & 1);
@@ -261,7 +265,15 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_small_kernel(const 
         }
 
         float sc[N / 2];
-        small_qk<__nv_bfloat16, N, kTiles>([&](int t) { return sm.k[buf][t]; }, sm.q, sc);
+        small_qk<__nv_bfloat16, N, kTiles, false>([&](int t) { return sm.k[buf][t]; }, sm.q, sc);
+        if (pv_in_flight) {
+          wgmma_wait<1>();  // the previous block's O^T
+#pragma unroll
+          for (int mt = 0; mt < kVTiles; ++mt) fence_regs(o[mt]);
+          mbar_arrive(&sm.empty[buf ^ 1]);
+        }
+        wgmma_wait<0>();
+        fence_regs(sc);
         const uint8_t* valid = sm.valid[buf];
         small_mask_max<N>(sc, scale_log2, false, [&](int key, int) { return valid[key] != 0; }, sm.warp_max, warp,
                           lane);
@@ -269,10 +281,13 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_small_kernel(const 
         // still reads the RoPE tile that P is written into next
         small_softmax<__nv_bfloat16, N>(sc, sm.warp_max, m_run, l_part, o, sm.p(buf), warp, lane);
         named_sync(1, 128);  // P complete; every thread has read warp_max
-        small_pv<__nv_bfloat16, N>([&](int t) { return sm.k[buf][t]; }, sm.p(buf), o);
-        // The buffer (and its validity flags) go back to the producer.
-        mbar_arrive(&sm.empty[buf]);
+        small_pv<__nv_bfloat16, N, false>([&](int t) { return sm.k[buf][t]; }, sm.p(buf), o);
+        pv_in_flight = true;
       }
+      wgmma_wait<0>();  // the piece's last O^T; its buffer (and validity flags) go back
+#pragma unroll
+      for (int mt = 0; mt < kVTiles; ++mt) fence_regs(o[mt]);
+      if (pv_in_flight) mbar_arrive(&sm.empty[(block_count - 1) & 1]);
 
       // ---- epilogue ----------------------------------------------------------------------------
       small_row_sums<N>(l_part, sm.warp_sum, warp, lane);
