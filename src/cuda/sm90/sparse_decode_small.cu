@@ -7,7 +7,8 @@
 // Schedule (384 threads, one CTA per (query token s, plan part), persistent over the part's
 // pieces; one CTA per SM):
 //   * warpgroups 1 and 2 produce, each half of every 64-slot block, two blocks ahead at N = 16
-//     (setmaxnreg 176, three register slots of records) and one at N = 32 (136, two slots): four
+//     (setmaxnreg 176, three register slots of V3.2 records, two of MODEL1's, which skip L1) and
+//     one at N = 32 (136, two slots): four
 //     threads per token gather the FP8 record with 16-byte loads (two 8-byte ones for a MODEL1
 //     record in a page block that is only 8-byte aligned), dequantise it to bf16 (exactly as the
 //     reference: e4m3 * scale rounded to bf16; RoPE copied) and store it into a 64 x D key buffer
@@ -17,7 +18,8 @@
 //     (16 or 32; no padding to 64): S^T (64 tokens x N heads) = K Q^T, masked by the validity
 //     flags; the softmax down the columns of S^T (lanes sharing a head, then the four warps through
 //     shared memory); P (N x 64) to shared memory (at d_qk 576 into the block's RoPE tile, which
-//     S^T alone reads); O^T (512 x N) += V^T P^T with V read transposed from the buffer;
+//     S^T alone reads); O^T (512 x N) += V^T P^T with V read transposed from the buffer, left in
+//     flight while the next block's S^T is issued behind it (the buffer goes back once it lands);
 //   * epilogue: O^T / (l + exp2(sink - m)) to out / lse for whole pieces, fp32 partials for split
 //     ones (the combine kernel applies the sink);
 //   * with a fresh plan every CTA first plans its own part (plan_block.cuh; no planner kernel).
@@ -61,6 +63,13 @@
 // 40.5 / 41.0 / 59.7; MODEL1 h_q=16 28.7 / 25.8 / 38.0. A plain gather of the same V3.2 h_q=16
 // records, nothing done with them, takes 48.8 us at best (bench/gather_ceiling.cu: 3.5 TB/s; the
 // same bytes in order 40.9 us).
+// Fourteenth and fifteenth sessions: MODEL1's records skip L1 with two slots (37.7 -> 35.7 us
+// reused); O^T left in flight behind the next S^T (V3.2 h_q=16 76.8 -> 75.2 reused). Beside
+// FlashMLA in one run, whole calls: MODEL1 h_q=16 40.9 us (105.5, 2.58x), V3.2 h_q=16 84.4 (153.8,
+// 1.82x), h_q=32 67.4 (108.2, 1.60x). bench/wgmma_rate.cu: a m64n16k16 with both operands in
+// shared memory takes 21.3 cycles, bound by reading them (about 120 bytes a cycle), so S^T and
+// O^T need 766 and 688 cycles a block on an idle SM, and about 4.5 k inside this kernel, where the
+// producers' stores and their records' passage through L1 share that data path.
 #include <cuda_runtime.h>
 
 #include <cstdint>
