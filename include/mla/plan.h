@@ -282,13 +282,20 @@ MLA_HD DecodePlanParams dense_plan_params(const DenseDecodeParams& p) {
   pp.max_seqlen = capacity < 0x7fffffff ? int(capacity) : 0x7fffffff;
   return pp;
 }
+// Whether a sparse call attends an extra cache: extra indices over at least one page block. An
+// extra cache of no page blocks holds no token an index could name (and may have no data): the
+// backends run such a call as the one without it (without_empty_extra, mla/validate.h).
+MLA_HD bool has_extra_cache(const SparseDecodeParams& p) {
+  return p.extra_indices != nullptr && p.extra_kv.num_blocks > 0;
+}
+
 MLA_HD DecodePlanParams sparse_plan_params(const SparseDecodeParams& p) {
   DecodePlanParams pp = plan_params_for(p.b, p.split);
   pp.fixed_cost = plan_fixed_for_heads(p.h_q);
   pp.topk = p.topk;
   pp.topk_length = p.topk_length;
-  pp.extra_topk = p.extra_kv.data ? p.extra_topk : 0;
-  pp.extra_topk_length = p.extra_kv.data ? p.extra_topk_length : nullptr;
+  pp.extra_topk = has_extra_cache(p) ? p.extra_topk : 0;
+  pp.extra_topk_length = has_extra_cache(p) ? p.extra_topk_length : nullptr;
   return pp;
 }
 

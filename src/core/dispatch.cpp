@@ -1,5 +1,7 @@
 #include "mla/dispatch.h"
 
+#include "mla/plan.h"
+
 namespace mla {
 
 namespace {
@@ -65,8 +67,8 @@ uint32_t required_features(const SparseDecodeParams& p) {
   f |= p.format == KvFormat::kV32 ? kFeatV32Format : kFeatModel1Format;
   if (p.attn_sink) f |= kFeatAttnSink;
   if (p.topk_length) f |= kFeatTopkLength;
-  if (p.extra_kv.data) f |= kFeatExtraCache;
-  if (p.extra_kv.data && p.extra_topk_length) f |= kFeatExtraTopkLength;
+  if (has_extra_cache(p)) f |= kFeatExtraCache;
+  if (has_extra_cache(p) && p.extra_topk_length) f |= kFeatExtraTopkLength;
   if (p.h_q > 32) f |= kFeatHeadsOver32;
   if (p.h_q > 64) f |= kFeatHeadsOver64;
   return f;

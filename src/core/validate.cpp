@@ -4,6 +4,7 @@
 #include <utility>
 
 #include "mla/formats.h"
+#include "mla/plan.h"
 
 namespace mla {
 
@@ -79,12 +80,25 @@ void validate(const SparseDecodeParams& p) {
   check_decode_outputs(p.o);
   check_sparse_cache(p.kv, p.format, "kv");
   if (p.extra_kv.data || p.extra_indices) {
-    MLA_CHECK(p.extra_kv.data && p.extra_indices, "extra_kv and extra_indices must be given together");
+    // An extra cache of no page blocks may have no data (an empty allocation): extra_indices says
+    // that the call has one.
+    MLA_CHECK(p.extra_indices, "extra_indices must not be null with an extra cache (extra_kv.data given)");
     MLA_CHECK(p.extra_topk > 0, "extra_indices: extra_topk (dim 2) must be > 0, got ", p.extra_topk);
     check_sparse_cache(p.extra_kv, p.format, "extra_kv");
   } else {
     MLA_CHECK(!p.extra_topk_length, "extra_topk_length needs extra_kv and extra_indices");
   }
+}
+
+SparseDecodeParams without_empty_extra(SparseDecodeParams p) {
+  if (!has_extra_cache(p)) {
+    p.extra_kv = SparseKvCache{};
+    p.extra_topk = 0;
+    p.extra_indices = nullptr;
+    p.extra_indices_stride_b = p.extra_indices_stride_s = 0;
+    p.extra_topk_length = nullptr;
+  }
+  return p;
 }
 
 void validate_split(const DecodeSplit& s) {

@@ -259,7 +259,8 @@ void dense_decode(const DenseDecodeParams& p) {
 void sparse_decode(const SparseDecodeParams& p) {
   validate(p);
   validate_split(p.split);
-  run_decode(SparseProblem(p));
+  const SparseDecodeParams call = without_empty_extra(p);
+  run_decode(SparseProblem(call));
 }
 
 }  // namespace mla::reference

@@ -3,11 +3,13 @@
 // was a crash or a silently accepted call before these checks.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <climits>
 #include <cmath>
 #include <string>
 #include <vector>
 
+#include "mla/dispatch.h"
 #include "mla/plan.h"
 #include "mla/reference.h"
 #include "mla/validate.h"
@@ -114,6 +116,51 @@ TEST(Validate, SparseNullPointers) {
     SparseCase c;  // two parts may split a request: the workspace is required
     c.p.split.num_sm_parts = 2;
     expect_error([&] { validate_split(c.p.split); }, "o_accum and lse_accum");
+  }
+}
+
+// An extra cache of no page blocks, its data null (an empty allocation), with extra indices: no
+// index can name a token in it, so the call is the one without it (it was rejected as "extra_kv
+// and extra_indices must be given together"). Its plan is the plan without it.
+TEST(Validate, SparseExtraCacheOfNoBlocksIsNoExtra) {
+  SparseCase base;
+  std::fill(base.kv.begin(), base.kv.end(), uint8_t(0x38));  // finite nonzero keys, scales and RoPE
+  std::fill(base.q.begin(), base.q.end(), uint16_t(0x3c00));   // 2^-7 in bf16
+  reference::sparse_decode(base.p);
+  for (bool with_lengths : {false, true}) {
+    SparseCase c;
+    c.kv = base.kv, c.q = base.q;
+    c.p.kv.data = c.kv.data(), c.p.q = c.q.data();
+    std::vector<int32_t> extra_indices = {0, -1}, extra_lengths = {2};
+    c.p.extra_kv = {nullptr, 0, 16, 0};
+    c.p.extra_topk = 2;
+    c.p.extra_indices = extra_indices.data();
+    c.p.extra_indices_stride_b = c.p.extra_indices_stride_s = 2;
+    c.p.extra_topk_length = with_lengths ? extra_lengths.data() : nullptr;
+    EXPECT_FALSE(has_extra_cache(c.p));
+    EXPECT_EQ(sparse_plan_params(c.p).extra_topk, 0);
+    EXPECT_EQ(required_features(c.p) & kFeatExtraCache, 0u);
+    reference::sparse_decode(c.p);
+    EXPECT_NE(c.out, std::vector<uint16_t>(kHeadDimV, 0));
+    EXPECT_EQ(c.out, base.out);
+    EXPECT_EQ(c.lse, base.lse);
+  }
+}
+
+TEST(Validate, SparseExtraCacheNeedsItsIndicesAndData) {
+  {
+    SparseCase c;  // blocks given, no indices
+    c.p.extra_kv = c.p.kv;
+    c.p.extra_topk = 1;
+    expect_error([&] { validate(c.p); }, "extra_indices must not be null");
+  }
+  {
+    SparseCase c;  // indices over a cache of one block without data
+    std::vector<int32_t> extra_indices = {0};
+    c.p.extra_kv = {nullptr, 1, 16, 16 * 584};
+    c.p.extra_topk = 1;
+    c.p.extra_indices = extra_indices.data();
+    expect_error([&] { validate(c.p); }, "extra_kv: data must not be null");
   }
 }
 
