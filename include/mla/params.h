@@ -96,7 +96,7 @@ struct SparseDecodeParams {
   int64_t indices_stride_b = 0, indices_stride_s = 0;
   const int32_t* topk_length = nullptr;  // [b] or null: slots >= topk_length[b] are ignored
 
-  SparseKvCache extra_kv;  // data == null when there is no extra cache
+  SparseKvCache extra_kv;  // with extra_indices; neither when there is no extra cache (none of its blocks: run as none)
   int extra_topk = 0;
   const int32_t* extra_indices = nullptr;  // [b, s_q, extra_topk] into extra_kv
   int64_t extra_indices_stride_b = 0, extra_indices_stride_s = 0;
