@@ -18,20 +18,14 @@
 #include <random>
 #include <vector>
 
+#include "cuda_check.h"
+
 namespace {
 
 constexpr int kRecordBytes = 656;
 constexpr int kChunks = kRecordBytes / 16;
 constexpr int kPage = 64;
 
-#define CHECK(x)                                                                   \
-  do {                                                                             \
-    const cudaError_t e = (x);                                                     \
-    if (e != cudaSuccess) {                                                        \
-      std::fprintf(stderr, "%s: %s\n", #x, cudaGetErrorString(e));                 \
-      std::exit(1);                                                                \
-    }                                                                              \
-  } while (0)
 
 // kParts threads per token, each reading every kParts-th 16-byte chunk of kTokens tokens (all
 // loads issued before any is used); the XOR of everything keeps the loads alive.

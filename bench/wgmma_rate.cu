@@ -22,20 +22,12 @@
 #include <vector>
 
 #include "cuda/sm90/ptx_sm90.cuh"
+#include "cuda_check.h"
 
 namespace {
 
 using namespace mla::cuda::sm90;
 using bf16 = __nv_bfloat16;
-
-#define CHECK(x)                                                   \
-  do {                                                             \
-    const cudaError_t e = (x);                                     \
-    if (e != cudaSuccess) {                                        \
-      std::fprintf(stderr, "%s: %s\n", #x, cudaGetErrorString(e)); \
-      std::exit(1);                                                \
-    }                                                              \
-  } while (0)
 
 constexpr int kReps = 64;
 constexpr int kSmemA = 9 * 8192;   // nine 64 x 128-byte tiles: 64 keys x 576 bf16
