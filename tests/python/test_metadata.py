@@ -254,3 +254,55 @@ def test_legacy_plan_reused_across_layers(device):
         ref_out, _ = R.ref_dense_decode(q, paged.seqs, 1.0, True)
         R.check_is_allclose("out", out, ref_out, **R.DENSE_OUT_TOL)
     assert torch.equal(tsm, tsm0) and torch.equal(ns, ns0), "the plan must not be modified by decoding"
+
+
+# ----------------------------------------------------------------------------- fake kernels agree
+
+# The fake kernels (python/mla_kernels/_ops.py) size the plan tensors with their own copy of the
+# planner's part count (include/mla/plan.h: num_sm_parts_dense / num_sm_parts_sparse); under
+# torch.compile a wrong copy gives graphs whose plan shapes differ from the real op's. Each shape
+# here is planned by the real op and by its fake kernel in FakeTensorMode, and the shapes compared.
+DENSE_SHAPES = [(s_q, h_q, h_k) for s_q in (1, 2, 3, 7) for h_q, h_k in
+                ((1, 1), (16, 1), (63, 1), (64, 1), (65, 1), (128, 1), (128, 2), (128, 8), (24, 3), (256, 2))]
+SPARSE_SHAPES = [(s_q, h_q) for s_q in (1, 2, 5) for h_q in (1, 16, 32, 64, 65, 100, 128)]
+
+
+def _real_and_fake(op, *args):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    real = op(*args)
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake = op(*[mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args])
+    return real, fake
+
+
+def test_fake_metadata_shapes_match_the_planner(device):
+    ops = torch.ops.mla_kernels
+    sl = R.to_device(torch.tensor([100, 7, 300], dtype=torch.int32), device)
+    for s_q, h_q, h_k in DENSE_SHAPES:
+        real, fake = _real_and_fake(ops.get_mla_decoding_metadata, sl, s_q * h_q // h_k, h_k)
+        assert [tuple(t.shape) for t in fake] == [tuple(t.shape) for t in real], ("dense", s_q, h_q, h_k)
+        real, fake = _real_and_fake(ops.get_mla_decoding_metadata_dense_fp8, sl, s_q * h_q // h_k, h_k)
+        assert [tuple(t.shape) for t in fake] == [tuple(t.shape) for t in real], ("dense fp8", s_q, h_q, h_k)
+    for s_q, h_q in SPARSE_SHAPES:
+        real, fake = _real_and_fake(ops.get_mla_decoding_metadata, sl, s_q * h_q, 1, h_q, True, 128)
+        assert [tuple(t.shape) for t in fake] == [tuple(t.shape) for t in real], ("sparse", s_q, h_q)
+
+
+@pytest.mark.parametrize("s_q,h_q,h_k", [(1, 128, 1), (2, 16, 1), (3, 64, 2), (1, 6, 3)])
+def test_fake_dense_decode_plan_shape_matches(s_q, h_q, h_k, device):
+    paged = R.make_dense_paged([40, 9], 16, h_k, 576, torch.bfloat16)
+    q = R.rand((2, s_q, h_q, 576))
+    args = [R.to_device(t, device) for t in (q, paged.k_cache)] + [512] + \
+        [R.to_device(t, device) for t in (paged.cache_seqlens, paged.block_table)] + [1.0, False, None, None]
+    real, fake = _real_and_fake(torch.ops.mla_kernels.dense_decode_fwd, *args)
+    assert [tuple(t.shape) for t in fake] == [tuple(t.shape) for t in real]
+
+
+@pytest.mark.parametrize("h_q", [16, 64, 128])
+def test_fake_sparse_decode_plan_shape_matches(h_q, device):
+    c = R.make_sparse_cache("v32", 2, 1, 256, 64, 64)
+    q = R.rand((2, 1, h_q, 576))
+    d = lambda t: R.to_device(t, device)
+    real, fake = _real_and_fake(torch.ops.mla_kernels.sparse_decode_fwd, d(q), d(c.kv8), d(c.indices), None, None,
+                                None, None, None, None, None, 512, 0.05)
+    assert [tuple(t.shape) for t in fake] == [tuple(t.shape) for t in real]
