@@ -36,41 +36,15 @@
 // Tile sizes: BLOCK_M 64 rows, 64 keys per block, 64 x 64 TMA tiles (128-byte swizzle), two key
 // buffers; wgmma m64n64k16 (S, both operands in shared memory, one group per tile) and m64n256k16
 // (P V: WG0's own P from registers, every other P from shared memory, stored by stmatrix.x4).
-// Reached on an H200 (bench/RESULTS.md, whole API call, FlashMLA timed in the same run, before
-// ours): dense b=128 h_q=128 s_k=4096 varlen 299.9 us = 460 TFLOPS (59% of the matmul ceiling;
-// FlashMLA 261.5 us, 0.87x; 281 us without FlashMLA in the run, 265 with the plan reused), s_q=2
-// causal s_k=8192 946.1 us (876.8, 0.93x); with the wider combine b=1 s_k=65536 55.6 us (67.7,
-// 1.22x), b=2 82.8 (89.8, 1.08x), b=4 s_k=8192 42.3 (51.0, 1.20x), b=8 s_k=32768 116.5 (117.2,
-// 1.01x); b=8 s_k=1024 29.7 (34.4, 1.16x). h_q=16 (rows padded to 64; every row count runs here by
-// default, dispatch.cu): b=128 s_k=8192 293.0 us plan reused, 96.8% of the copy ceiling
-// (FlashMLA beside it 288.1 against our 296.4, 0.97x). Steps: the
-// softmax's exp2 in one MUFU (exp2_ftz) 356 -> 326 us; wgmma descriptors at constant offsets from
-// two bases, the per-key mask as one compare against a per-row threshold, the lazy running max
-// and O rescales skipped by a warp vote 326 -> 314 us (s_q=2 1071 -> 985); Q staged with one
-// address per row rather than per chunk, and steady pairs without the per-key mask (P = exp2(S
-// scale - m) in one FFMA + MUFU) 284 -> 270 us plan reused; no poll of the other warpgroup's V
-// tiles 270 -> 265 us plan reused; WG1's two P V queued back to back (FlashMLA's order, both P
-// from shared memory) and the in-kernel planner out of line (no spills in the loop) 280-284 ->
-// 272-273 us plan reused, whole call 289-290 -> 278-280 (eighth session, ours alone; FlashMLA in
-// the same run, replays alternated, before these two: 313.5 against 276.0, 0.88x). Ninth session:
-// the combine sized by warps and the planner's fast path (plan_block.cuh) took the whole call from
-// 284.8 to 275.6 to 270.7 us (ours alone); with FlashMLA alternated, before the planner step, 303.7
-// against 277.8 (0.91x) and s_q=2 causal 936.2 against 897.7 (0.96x). Tenth session: S committed
-// one wgmma group per tile (WG0's wait for O_L += P1 V1L no longer waits for S0's first tiles), the
-// rare P0 s1 rescale under one branch, P stored by stmatrix.x4: 268.5 -> 262.0 us, s_q=2 causal
-// 895 -> 868 (ours alone, alternated); keys kept evict_normal where 64-row tiles share them lost
-// (268.5 -> 276). With FlashMLA alternated: 271.0 against 264.2 (0.97x), s_q=2 causal 908.8
-// against 880.4 (0.97x); both plans reused (what every layer after a step's first runs) 254.4
-// against 233.4 (0.92x) and 909.7 against 875.4 (0.96x). Then the next piece staged in the
-// epilogue, with its first blocks behind Q (plan reused, ours alone, alternated twice): h_q=128
-// varlen 253.8 / 253.6 -> 251.0 / 250.3 us, b=1 s_k=512 12.6 / 12.9 -> 12.5 / 12.2, b=8 s_k=1024
-// 20.9 / 20.5 -> 20.6 / 20.3. WG1's O_R += P1 V1R from registers on top of it: 252.1 / 251.4 (not
-// kept; ptxas spills 16 bytes, once per piece).
-// Where the time goes (ncu, h_q=128, before the last step): the kernel 283 us against FlashMLA's
-// 227 with the same DRAM bytes; equal time waiting on TMA tiles, but more fixed-latency stalls
-// (MUFU sequences, index and mask arithmetic), warpgroup waits and wgmma issue, the epilogue's
-// global stores (FlashMLA stores O by TMA) and, since fixed, the Q staging loop (5%); SM active
-// cycles vary +-7% (per-piece costs above the planner's fixed cost of 5 blocks).
+// Reached on an H200 (bench/RESULTS.md, fifteenth session, whole API calls beside FlashMLA in one
+// run): b=128 h_q=128 s_k=4096 varlen 280.1 us (FlashMLA 278.7, 1.00x; 245 us alone with the plan
+// reused), s_q=2 causal s_k=8192 907.9 (903.0, 0.99x), b=2 s_k=65536 76.3 (90.6, 1.19x), b=1..8
+// short and long 1.07-1.53x; h_q=16 b=128 s_k=8192 297.4 us, 95.4% of the copy ceiling (291.5 us,
+// 97.3%, alone with the plan reused). The largest steps (each measured in bench/RESULTS.md): exp2
+// in one MUFU 356 -> 326 us; constant-offset descriptors, one-compare masks and vote-skipped
+// rescales 326 -> 314; mask-free steady pairs 284 -> 270; S committed one group per tile 268.5 ->
+// 262.0. Against FlashMLA's kernel (ncu, tenth session): more fixed-latency stalls (MUFU sequences,
+// index and mask arithmetic), warpgroup waits and epilogue stores; SM active cycles vary +-7%.
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <cuda_runtime.h>

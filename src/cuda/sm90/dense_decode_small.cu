@@ -23,21 +23,12 @@
 //     dependent launch);
 //   * with a fresh plan every CTA first plans its own part (plan_block.cuh; no planner kernel).
 // Tile sizes: 64-key blocks, N = 16 or 32 rows, two key buffers (144 KB at D = 576) + Q (18 / 36 KB).
-// Reached on an H200 (bench/RESULTS.md, whole API call): dense b=128 h_q=16 s_k=8192 303.7-304.2 us
-// = 93.3% of the copy ceiling (FlashMLA, which pads the rows to 64: 322.3 us timed just before
-// ours in one run, where ours took 312.5, 1.03x); 307.9 after the parallel planner (335.7 before;
-// the kernel was unchanged). ncu: this kernel 305.8 us at
-// 3.96 TB/s of DRAM reads against FlashMLA's 285.9 us at 4.23 TB/s; with MLA_DENSE_DIAG (the key
-// stream alone) 294.9 us at 4.10 TB/s, so the two-buffer key stream itself is the first limit.
-// Ninth session, FlashMLA alternated in one run: 308.1 us (92.1% of copy; FlashMLA 325.1, 1.06x).
-// Measured slower there: refilling each V tile as its products end (318.0 against 305.0) and
-// three key buffers with the RoPE tile in its own slot (321.7).
-// Tenth session, FlashMLA alternated: whole call 305.4 us (92.9% of copy; FlashMLA 318.8, 1.04x);
-// both plans reused 301.3 (94.2%) against FlashMLA's 280.1 (0.93x): its padded 64-row kernel reads
-// the keys at 101% of the copy ceiling (which counts bytes read and written).
-// Before exp2_ftz 334-361 us; the 64-row Hopper kernel 364-386 us. Tried and measured slower (~470 us):
-// the key tiles in one ring of 25 slots refilled as they free (up to three blocks in flight); the
-// loss was in the wgmma chain, not in the loads.
+// Reached on an H200 (bench/RESULTS.md, tenth session, FlashMLA alternated in one run): b=128
+// h_q=16 s_k=8192 305.4 us whole (92.9% of copy; FlashMLA 318.8, 1.04x), 301.3 with the plan
+// reused. The 64-row kernel, run with the rows padded, later reached 291.5-293.0 us (96.8-97.3%)
+// and became the default. Limit (ncu): the two-buffer key stream alone reads at 4.10 TB/s (294.9
+// us). Measured slower: refilling each V tile as its products end (318.0 against 305.0), three key
+// buffers (321.7), one ring of 25 key tiles (~470).
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <cuda_runtime.h>

@@ -35,28 +35,17 @@
 //     the two CTAs of a cluster before either stores into the other's buffers.
 // Tile sizes: 64 heads, 64-token blocks, two bf16 key buffers (144 KB at d_qk 576) + Q (72 KB) +
 // P (8 KB); wgmma m64n64k16 (S) and m64n256k16 (P V).
-// Reached on an H200 (bench/RESULTS.md, whole API call, FlashMLA in the same run): V3.2 b=128
-// h_q=128 topk 2048 177.8 us (FlashMLA 197.4 us, 1.11x; the portable kernel 1293.7); b=32 s_q=2
-// 93.7 us (98.9, 1.06x); b=128 s_q=2 343.7 (358.2, 1.04x); MODEL1 b=128 h_q=128 mixed with sink
-// 88.5 us (105.9, 1.20x). The last step was the planner's, not this kernel's (197.6 -> 177.8: the
-// planner had cost ~20 us of every call); the kernel itself, with a plan reused, takes ~175 us
-// (FlashMLA's ~174). Ninth session, FlashMLA alternated, after the combine sized by warps (188.9
-// -> 180.9 alone): V3.2 182.7 (197.3, 1.08x), MODEL1 96.0 (105.9, 1.10x), s_q=2 b=128 348.8
-// (359.7, 1.03x), b=32 99.5 (99.2, 1.00x); then the planner's fast path 182.1 -> 178.4 alone.
-// Tenth session, FlashMLA alternated: whole calls V3.2 179.4 (196.9, 1.10x), MODEL1 93.4 (106.7,
-// 1.14x), s_q=2 b=128 345.0 (359.6, 1.04x), b=32 97.2 (99.2, 1.02x); both plans reused V3.2 172.9
-// (173.7, 1.00x), MODEL1 85.9 (83.6, 0.97x), s_q=2 b=128 336.1 (341.9, 1.02x), b=32 91.7 (88.4,
-// 0.96x): the kernels are level with FlashMLA's, not faster.
-// Steps: the crossover 515 -> 357 us; st.async
-// instead of cluster-scope fences and acquires 357 -> 316; the producer's per-thread store offsets,
-// index a step ahead, lengths once per request and cache as a flag 316 -> 237; the peer's half by
-// bulk copy instead of a st.async per 16 bytes 241 -> 197 (timed alone, the producers went from
-// 191 to 128 us: ncu had them stalled on their store queue, short scoreboard on the registers the
-// queued st.async still had to read). Timed alone (MLA_SPARSE_DIAG below) the consumers take
-// 151 us and the producers 128, but together 197: ncu still has warpgroup 0 waiting on `full` for
-// a fifth of its time (the producers slow down beside the consumers: loads, shared-memory
-// traffic), so the two buffers are the limit; a third does not fit beside Q (72 KB) at d_qk 576.
-// Warpgroup 0 issues O_L += P V_L before it hands P over (the hand-over runs under the product).
+// Reached on an H200 (bench/RESULTS.md, fifteenth session, whole API calls beside FlashMLA in one
+// run): V3.2 b=128 h_q=128 topk 2048 178.5 us (FlashMLA 196.3, 1.10x); b=128 s_q=2 341.9 (356.3,
+// 1.04x); b=32 s_q=2 96.6 (99.0, 1.02x); MODEL1 b=128 h_q=128 mixed with sink 84.9 (105.7, 1.24x).
+// With both plans reused the kernels are level with FlashMLA's (tenth session: 172.9 against
+// 173.7). The largest steps: the cluster crossover 515 -> 357 us; st.async instead of cluster-scope
+// fences 357 -> 316; per-thread store offsets, the index a step ahead, lengths once per request
+// 316 -> 237; the peer's half by bulk copy 241 -> 197; the planner in the kernel 197.6 -> 177.8.
+// Timed alone (MLA_SPARSE_DIAG below) the consumers take 151 us and the producers 128, together
+// 197 (before the planner step): warpgroup 0 waits on `full` a fifth of its time, the two buffers
+// are the limit, and a third does not fit beside Q (72 KB) at d_qk 576. Warpgroup 0 issues
+// O_L += P V_L before it hands P over (the hand-over runs under the product).
 #include <cuda_runtime.h>
 
 #include <atomic>

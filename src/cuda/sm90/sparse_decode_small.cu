@@ -25,51 +25,21 @@
 //   * with a fresh plan every CTA first plans its own part (plan_block.cuh; no planner kernel).
 // Tile sizes: 64-token blocks, N = 16 or 32 heads, two bf16 key buffers (144 KB at d_qk 576) + Q;
 // shared memory kept small, since what it leaves of 256 KB is the L1 the producers' loads land in.
-// Reached on an H200 (bench/RESULTS.md, whole API call, FlashMLA padded to 64 heads in the same
-// run): V3.2 b=128 h_q=16 topk 2048 88.9 us (FlashMLA 153.9 us, 1.73x; 77 us with the plan reused
-// before the kernel planned for itself); b=64 h_q=32 65.8 us (108.1, 1.64x); MODEL1 b=128 h_q=16
-// mixed with sink 49.5-52.9 us (104.7-105.3, 1.99-2.12x); with the in-kernel planner out of line
-// 48.8-48.9 (51.8-51.9 before, both alone; FlashMLA 106.0 in the eighth session's run). Planning in
-// the kernel (no planner kernel before it) and a fixed cost of 2 blocks per piece took h_q=32 from
-// 75.8 to 65.4 us and MODEL1 from 55.6 to 49.5 (whole calls, alternated on one machine). Timed
-// alone with MLA_SPARSE_DIAG (plan reused, V3.2 h_q=16): producers 55.0 us with three slots (70.5
-// with two), consumer about 46 (80.9 whole with the old planner's ~35), together 77: they overlap
-// poorly. The consumer's tensor and shared-memory work is ~1400 cycles of the ~5000 a block took
-// before the slots (splitting S into two accumulator chains changed nothing, so it is not the wgmma
-// chain). What moved it (183.5 -> 155.8 us at h_q=16): the token's lengths read once per request
-// and its cache named by a flag (the producer had stalled at every block on loads it had just
-// issued), the index read a block ahead of the record, per-thread constant store offsets,
-// branch-free dequantisation; then a second producer warpgroup (155.8 -> 124.8: ncu had the single
-// one latency-bound with one warp per scheduler). Tried and slower (287 us): whole records staged
-// into shared memory by cp.async.bulk, 16 tokens per stage. Ninth session, FlashMLA alternated:
-// MODEL1 h_q=16 50.6 us (105.5, 2.09x), V3.2 h_q=16 92.8 (153.6, 1.65x), h_q=32 71.7 (108.3,
-// 1.51x); then the planner's fast path, ours alone: MODEL1 48.6 -> 46.0, V3.2 90.4 -> 88.2. Also
-// slower there: three key buffers with S^T(j+1) issued before O^T(j) is waited for (MODEL1 48.5
-// -> 52.4) and the RoPE part of S^T from consumer registers with 8-tile buffers (V3.2 90.5 ->
-// 115.6).
-// Tenth session, FlashMLA alternated: whole calls MODEL1 h_q=16 48.7 us (106.8, 2.19x), V3.2 89.7
-// (154.4, 1.72x), h_q=32 69.8 (109.6, 1.57x); both plans reused 42.8 (71.7, 1.68x), 81.6 (117.0,
-// 1.43x), 61.5 (77.2, 1.25x). Where a CTA's time goes (MODEL1 h_q=16, globaltimer stamps, a
-// diagnostic build): the plan 5.9 us; Q staged 1.5-2.5 us after it; the first block stored by the
-// producers 6.1 us after it and consumed at 6.4; then about 3.3 us per block (10 blocks: 39.3 us).
-// The plan alone takes 5.3 us here (4.7 at h_q=128): whole against reused 46.0 -> 39.5 us.
-// Thirteenth session (plan reused, ours alone, builds alternated twice): the producers' record
-// loads land in the L1 cache, whose size is what shared memory leaves of 256 KB in steps (60 KB
-// at a 196 KB carveout, 92 KB at 164). P in the RoPE tile and no alignment slack took V3.2 h_q=16
-// from 166.7 KB (with the 1 KB the system reserves) to 163.7: 79.5 / 79.5 -> 76.6 / 76.3 us (h_q=32
-// 59.5 / 59.2 -> 58.9 / 58.8, MODEL1 h_q=16 37.7 -> 37.4). The other way, a second Q buffer (the
-// next piece's Q copied in during the piece) took h_q=32 to 223 KB and 59.6 -> 72.5 us. Timed
-// alone (MLA_SPARSE_DIAG): V3.2 h_q=16 producers 57.5 us, consumer 51.4, together 80.3; h_q=32
-// 40.5 / 41.0 / 59.7; MODEL1 h_q=16 28.7 / 25.8 / 38.0. A plain gather of the same V3.2 h_q=16
-// records, nothing done with them, takes 48.8 us at best (bench/gather_ceiling.cu: 3.5 TB/s; the
-// same bytes in order 40.9 us).
-// Fourteenth and fifteenth sessions: MODEL1's records skip L1 with two slots (37.7 -> 35.7 us
-// reused); O^T left in flight behind the next S^T (V3.2 h_q=16 76.8 -> 75.2 reused). Beside
-// FlashMLA in one run, whole calls: MODEL1 h_q=16 40.9 us (105.5, 2.58x), V3.2 h_q=16 84.4 (153.8,
-// 1.82x), h_q=32 67.4 (108.2, 1.60x). bench/wgmma_rate.cu: a m64n16k16 with both operands in
-// shared memory takes 21.3 cycles, bound by reading them (about 120 bytes a cycle), so S^T and
-// O^T need 766 and 688 cycles a block on an idle SM, and about 4.5 k inside this kernel, where the
-// producers' stores and their records' passage through L1 share that data path.
+// Reached on an H200 (bench/RESULTS.md, fifteenth session, whole API calls beside FlashMLA padded to
+// 64 heads, in one run): MODEL1 b=128 h_q=16 mixed with sink 40.9 us (FlashMLA 105.5, 2.58x); V3.2
+// b=128 h_q=16 topk 2048 84.4 (153.8, 1.82x), 75 us with the plan reused; b=64 h_q=32 67.4 (108.2,
+// 1.60x). The largest steps: the token's lengths once per request, the index a block ahead and
+// per-thread store offsets 183.5 -> 155.8 us (h_q=16); a second producer warpgroup 155.8 -> 124.8;
+// the planner in the kernel; three register slots 92.6 -> 87.6; shared memory under 164 KB (more L1
+// for the loads in flight) 79.5 -> 76.5; O^T left in flight behind the next S^T 76.8 -> 75.2.
+// Limits: the records alone gather at best in 48.8 us (bench/gather_ceiling.cu); alone, the
+// producers take 57.5 us and the consumer 51.4. A m64n16k16 with its operands in shared memory
+// takes 21.3 cycles, bound by reading them (bench/wgmma_rate.cu), so S^T and O^T need 766 and 688
+// cycles a block on an idle SM but about 4.5 k here, where the producers' stores and their records'
+// passage through L1 share that data path. Measured slower: whole records staged by cp.async.bulk
+// (287 us against 183), three key buffers with S^T(j+1) before O^T(j) (MODEL1 48.5 -> 52.4), the
+// RoPE part of S^T from registers (90.5 -> 115.6), V3.2 records skipping L1 (80.8 -> 92; with two
+// slots 76.7 -> 82.3).
 #include <cuda_runtime.h>
 
 #include <cstdint>
