@@ -82,8 +82,8 @@ void validate(const SparseDecodeParams& p) {
   if (p.extra_kv.data || p.extra_indices) {
     // An extra cache of no page blocks may have no data (an empty allocation): extra_indices says
     // that the call has one.
-    MLA_CHECK(p.extra_indices, "extra_indices must not be null with an extra cache (extra_kv.data given)");
     MLA_CHECK(p.extra_topk > 0, "extra_indices: extra_topk (dim 2) must be > 0, got ", p.extra_topk);
+    MLA_CHECK(p.extra_indices, "extra_indices must not be null with an extra cache (extra_kv.data given)");
     check_sparse_cache(p.extra_kv, p.format, "extra_kv");
   } else {
     MLA_CHECK(!p.extra_topk_length, "extra_topk_length needs extra_kv and extra_indices");

@@ -449,6 +449,9 @@ SPARSE_ERRORS = {
     # A fresh empty tensor has no data pointer: still the size error, not "indices must not be null".
     "topk_zero_fresh": ("indices", lambda a: torch.empty(2, 1, 0, dtype=torch.int32),
                         names("topk|indices", "> ?0|positive|empty|zero|at least")),
+    # The same for the extra list over an extra cache that has page blocks.
+    "extra_topk_zero_fresh": ("extra_indices", lambda a: torch.empty(2, 1, 0, dtype=torch.int32),
+                              names("extra_topk|extra_indices", "> ?0|positive|empty|zero|at least")),
 }
 
 
