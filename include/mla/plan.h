@@ -284,7 +284,8 @@ MLA_HD DecodePlanParams dense_plan_params(const DenseDecodeParams& p) {
 }
 // Whether a sparse call attends an extra cache: extra indices over at least one page block. An
 // extra cache of no page blocks holds no token an index could name (and may have no data): the
-// backends run such a call as the one without it (without_empty_extra, mla/validate.h).
+// plan gives it no slots, so every backend runs the call as the one without it (the extra slots
+// of a request exist only through the plan's extra_topk).
 MLA_HD bool has_extra_cache(const SparseDecodeParams& p) {
   return p.extra_indices != nullptr && p.extra_kv.num_blocks > 0;
 }

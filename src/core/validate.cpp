@@ -4,7 +4,6 @@
 #include <utility>
 
 #include "mla/formats.h"
-#include "mla/plan.h"
 
 namespace mla {
 
@@ -88,17 +87,6 @@ void validate(const SparseDecodeParams& p) {
   } else {
     MLA_CHECK(!p.extra_topk_length, "extra_topk_length needs extra_kv and extra_indices");
   }
-}
-
-SparseDecodeParams without_empty_extra(SparseDecodeParams p) {
-  if (!has_extra_cache(p)) {
-    p.extra_kv = SparseKvCache{};
-    p.extra_topk = 0;
-    p.extra_indices = nullptr;
-    p.extra_indices_stride_b = p.extra_indices_stride_s = 0;
-    p.extra_topk_length = nullptr;
-  }
-  return p;
 }
 
 void validate_split(const DecodeSplit& s) {

@@ -123,17 +123,13 @@ int parts_of(const SparsePrefillParams&) { return 0; }
 void validate_call(const DenseDecodeParams& p) { validate(p), validate_split(p.split); }
 void validate_call(const SparseDecodeParams& p) { validate(p), validate_split(p.split); }
 void validate_call(const SparsePrefillParams& p) { validate(p); }
-// The call as the kernels run it (validated): a sparse call's empty extra cache dropped.
-DenseDecodeParams as_run(const DenseDecodeParams& p) { return p; }
-SparseDecodeParams as_run(const SparseDecodeParams& p) { return without_empty_extra(p); }
-SparsePrefillParams as_run(const SparsePrefillParams& p) { return p; }
 
 template <typename Params>
 cudaError_t run(const std::vector<Implementation<Params>>& table, OpKind op, const Params& p, cudaStream_t stream) {
   validate_call(p);
   static const std::vector<ImplementationInfo> infos = infos_of(table);
   const int i = select_implementation(infos, op, device_arch(), required_features(p), forced_implementation());
-  Params call = as_run(p);
+  Params call = p;
   if (!table[i].plans_itself || parts_of(call) > kPlanMaxPartsIn64KB) {
     const cudaError_t err = plan_if_fresh(call, stream);
     if (err != cudaSuccess) return err;

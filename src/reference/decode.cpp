@@ -259,8 +259,7 @@ void dense_decode(const DenseDecodeParams& p) {
 void sparse_decode(const SparseDecodeParams& p) {
   validate(p);
   validate_split(p.split);
-  const SparseDecodeParams call = without_empty_extra(p);
-  run_decode(SparseProblem(call));
+  run_decode(SparseProblem(p));
 }
 
 }  // namespace mla::reference

@@ -357,8 +357,8 @@ DecodeResult sparse_decode_fwd(const Tensor& q, const Tensor& kv, const Tensor& 
   p.indices = indices.data_ptr<int32_t>();
   p.indices_stride_b = indices.stride(0), p.indices_stride_s = indices.stride(1);
   p.topk_length = topk_length ? topk_length->data_ptr<int32_t>() : nullptr;
-  // An extra cache of no page blocks (its pointer may be null) is passed on as it is: the backends
-  // run the call without it (without_empty_extra), as no index can name a token in it.
+  // An extra cache of no page blocks (its pointer may be null) is passed on as it is: the plan gives
+  // it no slots (has_extra_cache), so the call runs as the one without it.
   if (extra_kv) {
     p.extra_kv = sparse_cache(*extra_kv);
     p.extra_topk = int(extra_indices->size(2));
