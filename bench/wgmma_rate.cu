@@ -46,6 +46,17 @@ constexpr int kInstructions[kShapes] = {36, 32, 36, 36, 8};
 constexpr double kFlops[kShapes] = {36.0 * 2 * 64 * 16 * 16, 32.0 * 2 * 64 * 16 * 16, 36.0 * 2 * 64 * 32 * 16,
                                     36.0 * 2 * 64 * 64 * 16, 8.0 * 2 * 64 * 256 * 16};
 
+// S^T of a small-heads block: 36 m64nNk16 products into one accumulator, A the 576-dim key tile
+// (8 KB per 64 dims), B the N-row Q tile (N * 128 bytes per 64 dims).
+template <int N>
+__device__ __forceinline__ void small_s_chain(float (&acc)[128], uint64_t da, uint64_t db) {
+  float(&d)[N / 2] = reinterpret_cast<float(&)[N / 2]>(acc[0]);
+#pragma unroll
+  for (int i = 0; i < 36; ++i)
+    wgmma_ss_small<bf16, N, 0>(d, desc_offset(da, (i / 4) * 8192 + (i % 4) * 32),
+                               desc_offset(db, (i / 4) * (N * 128) + (i % 4) * 32), 1);
+}
+
 template <int kShape>
 __global__ void __launch_bounds__(128, 1) rate(long long* cycles, float* sink) {
 #if defined(MLA_SM90A_DEVICE)
@@ -62,11 +73,7 @@ __global__ void __launch_bounds__(128, 1) rate(long long* cycles, float* sink) {
     wgmma_fence();
     const long long t0 = clock64();
     if constexpr (kShape == kSmallS16) {
-      float(&d)[8] = reinterpret_cast<float(&)[8]>(acc[0]);
-#pragma unroll
-      for (int i = 0; i < 36; ++i)
-        wgmma_ss_small<bf16, 16, 0>(d, desc_offset(da, (i / 4) * 8192 + (i % 4) * 32),
-                                    desc_offset(db, (i / 4) * 2048 + (i % 4) * 32), 1);
+      small_s_chain<16>(acc, da, db);
     } else if constexpr (kShape == kSmallO16) {
 #pragma unroll
       for (int mt = 0; mt < 8; ++mt)
@@ -75,11 +82,7 @@ __global__ void __launch_bounds__(128, 1) rate(long long* cycles, float* sink) {
           wgmma_ss_small<bf16, 16, 1>(reinterpret_cast<float(&)[8]>(acc[mt * 8]),
                                       desc_offset(da, mt * 8192 + kk * 2048), desc_offset(db, kk * 32), 1);
     } else if constexpr (kShape == kSmallS32) {
-      float(&d)[16] = reinterpret_cast<float(&)[16]>(acc[0]);
-#pragma unroll
-      for (int i = 0; i < 36; ++i)
-        wgmma_ss_small<bf16, 32, 0>(d, desc_offset(da, (i / 4) * 8192 + (i % 4) * 32),
-                                    desc_offset(db, (i / 4) * 4096 + (i % 4) * 32), 1);
+      small_s_chain<32>(acc, da, db);
     } else if constexpr (kShape == kWideS64) {
       float(&d)[32] = reinterpret_cast<float(&)[32]>(acc[0]);
 #pragma unroll
