@@ -63,6 +63,17 @@ __device__ __forceinline__ void tma_load_4d(void* dst, const CUtensorMap* map, u
       "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(smem_addr(bar)), "l"(policy)
       : "memory");
 }
+// The same box into the same shared-memory offset of every CTA of the cluster in `cta_mask`, each
+// copy completing its bytes on that CTA's mbarrier at the offset of `bar` (which each CTA expects
+// itself).
+__device__ __forceinline__ void tma_load_4d_multicast(void* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1,
+                                                      int c2, int c3, uint16_t cta_mask, uint64_t policy) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+      ".L2::cache_hint [%0], [%1, {%2, %3, %4, %5}], [%6], %7, %8;\n" ::"r"(smem_addr(dst)),
+      "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(smem_addr(bar)), "h"(cta_mask), "l"(policy)
+      : "memory");
+}
 __device__ __forceinline__ uint64_t evict_first_policy() {
   uint64_t policy;
   asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
@@ -134,6 +145,15 @@ __device__ __forceinline__ uint32_t peer_addr(const void* p, int rank) {
   uint32_t out;
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(out) : "r"(smem_addr(p)), "r"(rank));
   return out;
+}
+// Adds v to a 32-bit word in the shared memory of a CTA of the cluster (`addr` from peer_addr) and
+// returns what it held; release at cluster scope: what this thread did before (the wgmma reads of
+// a buffer it waited for included) happens before any CTA that sees the new count acts on it.
+__device__ __forceinline__ uint32_t atom_add_release_cluster(uint32_t addr, uint32_t v) {
+  uint32_t old;
+  asm volatile("atom.release.cluster.shared::cluster.add.u32 %0, [%1], %2;\n" : "=r"(old) : "r"(addr), "r"(v)
+               : "memory");
+  return old;
 }
 // One arrival on an mbarrier of another CTA of the cluster (`bar` from peer_addr).
 __device__ __forceinline__ void mbar_arrive_remote(uint32_t bar) {
@@ -287,75 +307,33 @@ __device__ void wgmma_ss_small(float (&d)[N / 2], uint64_t desc_a, uint64_t desc
   }
 
 
-// Small-N forms (m64n16k16, m64n32k16), both operands in shared memory, A K-major or MN-major.
-template <>
-__device__ __forceinline__ void wgmma_ss_small<__nv_bfloat16, 16, 0>(float (&d)[8], uint64_t desc_a, uint64_t desc_b,
-                                                                int scale_d) {
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
-               "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {" "%0, %1, %2, %3, %4, %5, %6, %7" "}, %8, %9, p, 1, 1, 0, 0;\n}\n"
-               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
-               : "l"(desc_a), "l"(desc_b), "r"(scale_d));
-}
-template <>
-__device__ __forceinline__ void wgmma_ss_small<__half, 16, 0>(float (&d)[8], uint64_t desc_a, uint64_t desc_b,
-                                                                int scale_d) {
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
-               "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 {" "%0, %1, %2, %3, %4, %5, %6, %7" "}, %8, %9, p, 1, 1, 0, 0;\n}\n"
-               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
-               : "l"(desc_a), "l"(desc_b), "r"(scale_d));
-}
-template <>
-__device__ __forceinline__ void wgmma_ss_small<__nv_bfloat16, 16, 1>(float (&d)[8], uint64_t desc_a, uint64_t desc_b,
-                                                                int scale_d) {
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
-               "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {" "%0, %1, %2, %3, %4, %5, %6, %7" "}, %8, %9, p, 1, 1, 1, 0;\n}\n"
-               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
-               : "l"(desc_a), "l"(desc_b), "r"(scale_d));
-}
-template <>
-__device__ __forceinline__ void wgmma_ss_small<__half, 16, 1>(float (&d)[8], uint64_t desc_a, uint64_t desc_b,
-                                                                int scale_d) {
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
-               "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 {" "%0, %1, %2, %3, %4, %5, %6, %7" "}, %8, %9, p, 1, 1, 1, 0;\n}\n"
-               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
-               : "l"(desc_a), "l"(desc_b), "r"(scale_d));
-}
-template <>
-__device__ __forceinline__ void wgmma_ss_small<__nv_bfloat16, 32, 0>(float (&d)[16], uint64_t desc_a, uint64_t desc_b,
-                                                                int scale_d) {
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
-               "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {" "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15" "}, %16, %17, p, 1, 1, 0, 0;\n}\n"
-               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-                 "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-               : "l"(desc_a), "l"(desc_b), "r"(scale_d));
-}
-template <>
-__device__ __forceinline__ void wgmma_ss_small<__half, 32, 0>(float (&d)[16], uint64_t desc_a, uint64_t desc_b,
-                                                                int scale_d) {
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
-               "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 {" "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15" "}, %16, %17, p, 1, 1, 0, 0;\n}\n"
-               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-                 "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-               : "l"(desc_a), "l"(desc_b), "r"(scale_d));
-}
-template <>
-__device__ __forceinline__ void wgmma_ss_small<__nv_bfloat16, 32, 1>(float (&d)[16], uint64_t desc_a, uint64_t desc_b,
-                                                                int scale_d) {
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
-               "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {" "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15" "}, %16, %17, p, 1, 1, 1, 0;\n}\n"
-               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-                 "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-               : "l"(desc_a), "l"(desc_b), "r"(scale_d));
-}
-template <>
-__device__ __forceinline__ void wgmma_ss_small<__half, 32, 1>(float (&d)[16], uint64_t desc_a, uint64_t desc_b,
-                                                                int scale_d) {
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
-               "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 {" "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15" "}, %16, %17, p, 1, 1, 1, 0;\n}\n"
-               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-                 "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-               : "l"(desc_a), "l"(desc_b), "r"(scale_d));
-}
+// Small-N forms (m64n16k16, m64n32k16), both operands in shared memory, A K-major (TA 0) or
+// MN-major (TA 1).
+#define MLA_WGMMA_REGS8 "%0, %1, %2, %3, %4, %5, %6, %7"
+#define MLA_WGMMA_REGS16 MLA_WGMMA_REGS8 ", %8, %9, %10, %11, %12, %13, %14, %15"
+#define MLA_WGMMA_ACC8 \
+  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+#define MLA_WGMMA_ACC16 \
+  MLA_WGMMA_ACC8, "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+// N = 16: accumulators %0-%7, descriptors %8, %9, scale %10; N = 32: %0-%15, %16, %17, %18.
+#define MLA_WGMMA_SS_SMALL(T, PT, N, TA, REGS, ACC, A, B, SCALE)                                          \
+  template <>                                                                                             \
+  __device__ __forceinline__ void wgmma_ss_small<T, N, TA>(float(&d)[N / 2], uint64_t desc_a, uint64_t desc_b, \
+                                                           int scale_d) {                                 \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " SCALE ", 0;\n"                                      \
+                 "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." PT "." PT " {" REGS "}, " A ", " B     \
+                 ", p, 1, 1, " #TA ", 0;\n}\n"                                                             \
+                 : ACC                                                                                    \
+                 : "l"(desc_a), "l"(desc_b), "r"(scale_d));                                               \
+  }
+MLA_WGMMA_SS_SMALL(__nv_bfloat16, "bf16", 16, 0, MLA_WGMMA_REGS8, MLA_WGMMA_ACC8, "%8", "%9", "%10")
+MLA_WGMMA_SS_SMALL(__half, "f16", 16, 0, MLA_WGMMA_REGS8, MLA_WGMMA_ACC8, "%8", "%9", "%10")
+MLA_WGMMA_SS_SMALL(__nv_bfloat16, "bf16", 16, 1, MLA_WGMMA_REGS8, MLA_WGMMA_ACC8, "%8", "%9", "%10")
+MLA_WGMMA_SS_SMALL(__half, "f16", 16, 1, MLA_WGMMA_REGS8, MLA_WGMMA_ACC8, "%8", "%9", "%10")
+MLA_WGMMA_SS_SMALL(__nv_bfloat16, "bf16", 32, 0, MLA_WGMMA_REGS16, MLA_WGMMA_ACC16, "%16", "%17", "%18")
+MLA_WGMMA_SS_SMALL(__half, "f16", 32, 0, MLA_WGMMA_REGS16, MLA_WGMMA_ACC16, "%16", "%17", "%18")
+MLA_WGMMA_SS_SMALL(__nv_bfloat16, "bf16", 32, 1, MLA_WGMMA_REGS16, MLA_WGMMA_ACC16, "%16", "%17", "%18")
+MLA_WGMMA_SS_SMALL(__half, "f16", 32, 1, MLA_WGMMA_REGS16, MLA_WGMMA_ACC16, "%16", "%17", "%18")
 
 MLA_WGMMA_SS_K(__nv_bfloat16, "bf16")
 MLA_WGMMA_SS_K(__half, "f16")
@@ -366,6 +344,11 @@ MLA_WGMMA_RS_K(__half, "f16")
 MLA_WGMMA_RS_V(__nv_bfloat16, "bf16")
 MLA_WGMMA_RS_V(__half, "f16")
 
+#undef MLA_WGMMA_SS_SMALL
+#undef MLA_WGMMA_REGS8
+#undef MLA_WGMMA_REGS16
+#undef MLA_WGMMA_ACC8
+#undef MLA_WGMMA_ACC16
 #undef MLA_WGMMA_SS_K
 #undef MLA_WGMMA_SS_V
 #undef MLA_WGMMA_RS_K
