@@ -8,7 +8,7 @@ FLOPs = 2 * h_q * s_q * sum(attended keys) * (d_qk + d_v); bytes = q + attended 
 2*576 B dense, 656 B V3.2, 584 B MODEL1) + out. Fractions are of the card's measured ceilings.
 
 Usage: python3 bench/bench_decode.py [--cases NAME,...] [--no-torch] [--impls default,portable]
-                                     [--flashmla DIR] [--reuse-plan]
+                                     [--flashmla DIR] [--reuse-plan] [--between copy|gemm]
 
 NAME is a case of CASES, or any dense shape spelled the same way:
 dense_b<b>[_sq<s_q>]_h<h_q>_sk<s_k>[_causal][_varlen] (all lengths s_k unless _varlen; a name in
@@ -16,6 +16,9 @@ CASES keeps its own definition, see case_by_name).
 
 --reuse-plan times what every layer of a step after the first runs: the call with a plan made once
 before the timing (FlashMLA's scheduler object, or ours, initialised by the warm-up call).
+--between times each replay right after other work (a 1 GiB copy or a large matmul), as an attention
+call runs between a layer's other kernels, rather than on a GPU whose caches still hold the previous
+replay's data and whose clocks have idled.
 """
 
 import argparse
@@ -53,19 +56,42 @@ def capture(fn, calls=10):
     return graph
 
 
+BETWEEN = None  # --between: a graph of other work replayed (untimed) before each timed replay
+
+
 def time_graphs(graphs, calls=10, replays=20):
     """Median microseconds per call of each graph, the graphs' replays taken in turn (A B A B ...)
-    so that clocks, power and temperature weigh on each alike."""
+    so that clocks, power and temperature weigh on each alike; with --between each timed replay
+    follows a replay of other work on the same stream, with no idle gap."""
     times = [[] for _ in graphs]
     for _ in range(replays):
         for graph, t in zip(graphs, times):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            if BETWEEN is not None:
+                BETWEEN.replay()
             start.record()
             graph.replay()
             end.record()
             end.synchronize()
             t.append(start.elapsed_time(end) / calls * 1e3)
     return [statistics.median(t) for t in times]
+
+
+def between_graph(kind):
+    """Other work of a decoding step, as a layer's attention finds the GPU after it: "copy" moves 1 GiB
+    (caches and TLBs hold none of the attention's data afterwards), "gemm" multiplies 8192^3 in bf16
+    (the card at its power limit, its clocks where the matmul leaves them)."""
+    if kind == "copy":
+        src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+        operands = (src, torch.empty_like(src))
+        graph = capture(lambda: operands[1].copy_(operands[0]), calls=1)
+    else:
+        operands = tuple(torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+        graph = capture(lambda: operands[0] @ operands[1], calls=1)
+    # The graph names its operands' memory but does not own it: they live as long as it does (else
+    # the next capture's empty_cache would hand the memory back while the graph still uses it).
+    graph.operands = operands
+    return graph
 
 
 def time_call(fn, calls=10, replays=20):
@@ -295,12 +321,18 @@ def main():
                              "sparse calls with h_q not a multiple of 64 are padded to it, as FlashMLA needs")
     parser.add_argument("--reuse-plan", action="store_true",
                         help="plan once before timing (what layers after a step's first run)")
+    parser.add_argument("--between", choices=["copy", "gemm"],
+                        help="replay other work (a 1 GiB copy, or an 8192^3 bf16 matmul) before each timed "
+                             "replay, as the layers around an attention call leave the GPU")
     args = parser.parse_args()
-    global REUSE_PLAN
+    global REUSE_PLAN, BETWEEN
     REUSE_PLAN = args.reuse_plan
+    BETWEEN = between_graph(args.between) if args.between else None
     impls = args.impls.split(",")
     fm = load_flashmla(args.flashmla) if args.flashmla else None
     reused = "; plan reused" if REUSE_PLAN else ""
+    if args.between:
+        reused += f"; each replay after a {args.between} graph"
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}; whole API call, CUDA graph of 10 calls, "
           f"median of 20 replays{reused}; ceilings {COPY_GBPS:.0f} GB/s copy, {MATMUL_TFLOPS:.0f} TFLOPS bf16")
     header = f"{'case':<44} {'us':>9} {'TFLOPS':>8} {'GB/s':>8} {'%mm':>6} {'%copy':>6} {'torch us':>10} {'speedup':>8}"
