@@ -36,15 +36,18 @@
 // Tile sizes: BLOCK_M 64 rows, 64 keys per block, 64 x 64 TMA tiles (128-byte swizzle), two key
 // buffers; wgmma m64n64k16 (S, both operands in shared memory, one group per tile) and m64n256k16
 // (P V: WG0's own P from registers, every other P from shared memory, stored by stmatrix.x4).
-// Reached on an H200 (bench/RESULTS.md, fifteenth session, whole API calls beside FlashMLA in one
-// run): b=128 h_q=128 s_k=4096 varlen 280.1 us (FlashMLA 278.7, 1.00x; 245 us alone with the plan
-// reused), s_q=2 causal s_k=8192 907.9 (903.0, 0.99x), b=2 s_k=65536 76.3 (90.6, 1.19x), b=1..8
-// short and long 1.07-1.53x; h_q=16 b=128 s_k=8192 297.4 us, 95.4% of the copy ceiling (291.5 us,
-// 97.3%, alone with the plan reused). The largest steps (each measured in bench/RESULTS.md): exp2
-// in one MUFU 356 -> 326 us; constant-offset descriptors, one-compare masks and vote-skipped
-// rescales 326 -> 314; mask-free steady pairs 284 -> 270; S committed one group per tile 268.5 ->
-// 262.0. Against FlashMLA's kernel (ncu, tenth session): more fixed-latency stalls (MUFU sequences,
-// index and mask arithmetic), warpgroup waits and epilogue stores; SM active cycles vary +-7%.
+// Reached on an H200 (bench/RESULTS.md, eighteenth session, whole API calls beside FlashMLA in one
+// run): b=128 h_q=128 s_k=4096 varlen 255.3 us (FlashMLA 257.4, 1.01x; 243-247 us with the plan
+// reused), s_q=2 causal s_k=8192 890.3 (881.8, 0.99x), b=2 s_k=65536 77.7 (90.1, 1.16x), b=1..8
+// short and long 1.07-1.48x; h_q=16 b=128 s_k=8192 299.8 us, 94.6% of the copy ceiling (96.4-97.3%
+// alone with the plan reused, sixteenth and fifteenth sessions). The largest steps (each measured in
+// bench/RESULTS.md): exp2 in one MUFU 356 -> 326 us; constant-offset descriptors, one-compare masks
+// and vote-skipped rescales 326 -> 314; mask-free steady pairs 284 -> 270; S committed one group per
+// tile 268.5 -> 262.0. Against FlashMLA's kernel (ncu, tenth session): more fixed-latency stalls
+// (MUFU sequences, index and mask arithmetic), warpgroup waits and epilogue stores; SM active cycles
+// vary +-7%. Not the bound: L2-to-SM bandwidth. Row tiles of one part in a cluster of two, each key
+// tile multicast into both (half the L2 traffic), were no faster even without the cross-CTA gate
+// that makes the reuse of a buffer safe (eighteenth session).
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <cuda_runtime.h>
