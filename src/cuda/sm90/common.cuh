@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "../common/decode_io.cuh"
+#include "../common/plan_block.cuh"
 #include "../implementations.h"
 #include "mla/params.h"
 #include "mla/plan.h"
@@ -25,6 +26,23 @@ struct DenseArgs {
 };
 
 #if defined(MLA_SM90A_DEVICE)
+// What a decode kernel of kThreads threads does once its barriers are initialised and the CTA is
+// synchronised: it waits for the work before it on the stream (it is launched as a programmatic
+// dependent, so everything above overlapped that work's tail; the plan and the inputs are read only
+// after this), then, when the call brought no plan, makes it: every CTA its own part's row and
+// num_splits (the same values from every CTA), with two of its key buffers (empty until the first
+// loads) as the planner's scratch, before anything reads the plan. No planner kernel runs first.
+template <int kThreads, typename Buffer>
+__device__ __forceinline__ void wait_then_plan(const DecodeSplit& split, const DecodePlanParams& plan, int part,
+                                               Buffer& scratch, Buffer& costs) {
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+  if (split.plan_fresh) {
+    static_assert(sizeof(typename BlockPlanner<kThreads>::Scratch) <= sizeof(Buffer), "scratch fits a buffer");
+    BlockPlanner<kThreads>::run_in(plan, part, scratch, costs);
+    __syncthreads();
+  }
+}
+
 // Tiles [t0, t1) (64 columns each) of the 64-key block in page `page` of KV head `group`, by TMA
 // into tiles[t], each completing on full[t].
 __device__ __forceinline__ void issue_key_tiles(uint8_t (*tiles)[64 * 128], uint64_t* full, const CUtensorMap* map,

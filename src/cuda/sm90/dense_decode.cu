@@ -177,17 +177,7 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_kernel(const __grid_
     fence_barrier_init();
   }
   __syncthreads();
-  // Launched as a programmatic dependent of the kernel before it (the planner, or the previous
-  // work on the stream when this kernel plans): everything above overlapped its tail; the plan and
-  // anything else the stream wrote before are read only after this.
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-  if (p.split.plan_fresh) {
-    // The call brought no plan: every CTA makes it (its own part's row, and num_splits: the same
-    // values from every CTA) before anything reads it, with its key buffers as scratch.
-    static_assert(sizeof(typename BlockPlanner<kThreads>::Scratch) <= sizeof(sm.k[0]), "scratch fits a buffer");
-    BlockPlanner<kThreads>::run_in(plan, part, sm.k[0], sm.k[1]);
-    __syncthreads();
-  }
+  wait_then_plan<kThreads>(p.split, plan, part, sm.k[0], sm.k[1]);
 
   uint32_t rounds[2] = {0, 0};  // loads issued into each buffer so far (mbarrier phases)
   const int num_pieces = decode_io::num_pieces(p.split, p.b, part);

@@ -106,14 +106,7 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_small_kernel(const _
     fence_barrier_init();
   }
   __syncthreads();
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-  if (p.split.plan_fresh) {
-    // The call brought no plan: every CTA makes it (its own part's row, and num_splits: the same
-    // values from every CTA) before anything reads it, with its key buffers as scratch.
-    static_assert(sizeof(typename BlockPlanner<kThreads>::Scratch) <= sizeof(sm.k[0]), "scratch fits a buffer");
-    BlockPlanner<kThreads>::run_in(plan, part, sm.k[0], sm.k[1]);
-    __syncthreads();
-  }
+  wait_then_plan<kThreads>(p.split, plan, part, sm.k[0], sm.k[1]);
 
   uint32_t rounds[2] = {0, 0};  // loads issued into each buffer so far (mbarrier phases)
   const int num_pieces = decode_io::num_pieces(p.split, p.b, part);

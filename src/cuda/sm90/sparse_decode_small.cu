@@ -135,15 +135,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_small_kernel(const 
     fence_barrier_init();
   }
   __syncthreads();
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-  if (p.split.plan_fresh) {
-    // The call brought no plan: every CTA makes it, storing its own part's row and num_splits (the
-    // same values from every CTA), before anything reads the plan; the key buffers, empty until the
-    // producers start, are the planner's scratch. No planner kernel runs before this one.
-    static_assert(sizeof(typename BlockPlanner<kThreads>::Scratch) <= sizeof(sm.k[0]), "scratch fits a buffer");
-    BlockPlanner<kThreads>::run_in(plan, part, sm.k[0], sm.k[1]);
-    __syncthreads();
-  }
+  wait_then_plan<kThreads>(p.split, plan, part, sm.k[0], sm.k[1]);
 
   const int num_pieces = decode_io::num_pieces(p.split, p.b, part);
   uint32_t block_count = 0;  // blocks this CTA has handed over so far: buffer count % 2, phase (count / 2) % 2
