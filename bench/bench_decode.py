@@ -330,11 +330,11 @@ def main():
     BETWEEN = between_graph(args.between) if args.between else None
     impls = args.impls.split(",")
     fm = load_flashmla(args.flashmla) if args.flashmla else None
-    reused = "; plan reused" if REUSE_PLAN else ""
+    how = "; plan reused" if REUSE_PLAN else ""
     if args.between:
-        reused += f"; each replay after a {args.between} graph"
+        how += f"; each replay after a {args.between} graph"
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}; whole API call, CUDA graph of 10 calls, "
-          f"median of 20 replays{reused}; ceilings {COPY_GBPS:.0f} GB/s copy, {MATMUL_TFLOPS:.0f} TFLOPS bf16")
+          f"median of 20 replays{how}; ceilings {COPY_GBPS:.0f} GB/s copy, {MATMUL_TFLOPS:.0f} TFLOPS bf16")
     header = f"{'case':<44} {'us':>9} {'TFLOPS':>8} {'GB/s':>8} {'%mm':>6} {'%copy':>6} {'torch us':>10} {'speedup':>8}"
     if fm:
         header += f" {'FlashMLA us':>12} {'vs FlashMLA':>12}"

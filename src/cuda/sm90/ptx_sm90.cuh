@@ -63,17 +63,6 @@ __device__ __forceinline__ void tma_load_4d(void* dst, const CUtensorMap* map, u
       "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(smem_addr(bar)), "l"(policy)
       : "memory");
 }
-// The same box into the same shared-memory offset of every CTA of the cluster in `cta_mask`, each
-// copy completing its bytes on that CTA's mbarrier at the offset of `bar` (which each CTA expects
-// itself).
-__device__ __forceinline__ void tma_load_4d_multicast(void* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1,
-                                                      int c2, int c3, uint16_t cta_mask, uint64_t policy) {
-  asm volatile(
-      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
-      ".L2::cache_hint [%0], [%1, {%2, %3, %4, %5}], [%6], %7, %8;\n" ::"r"(smem_addr(dst)),
-      "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(smem_addr(bar)), "h"(cta_mask), "l"(policy)
-      : "memory");
-}
 __device__ __forceinline__ uint64_t evict_first_policy() {
   uint64_t policy;
   asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
@@ -145,15 +134,6 @@ __device__ __forceinline__ uint32_t peer_addr(const void* p, int rank) {
   uint32_t out;
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(out) : "r"(smem_addr(p)), "r"(rank));
   return out;
-}
-// Adds v to a 32-bit word in the shared memory of a CTA of the cluster (`addr` from peer_addr) and
-// returns what it held; release at cluster scope: what this thread did before (the wgmma reads of
-// a buffer it waited for included) happens before any CTA that sees the new count acts on it.
-__device__ __forceinline__ uint32_t atom_add_release_cluster(uint32_t addr, uint32_t v) {
-  uint32_t old;
-  asm volatile("atom.release.cluster.shared::cluster.add.u32 %0, [%1], %2;\n" : "=r"(old) : "r"(addr), "r"(v)
-               : "memory");
-  return old;
 }
 // One arrival on an mbarrier of another CTA of the cluster (`bar` from peer_addr).
 __device__ __forceinline__ void mbar_arrive_remote(uint32_t bar) {
