@@ -8,7 +8,8 @@
 //     piece's first two blocks' TMA loads issued right behind Q's copies; the next piece's Q and
 //     first blocks are staged in a piece's epilogue, whose global stores run before the wait for Q;
 //   * keys come in 64-token blocks (one page) through TMA, 64 x 64 tiles completing on one
-//     mbarrier each, into two buffers K0 / K1 (V is the first 512 columns of the same rows);
+//     mbarrier each (L2 promotion of the box's 128-byte rows, kv_tensor_map.h), into two buffers
+//     K0 / K1 (V is the first 512 columns of the same rows);
 //   * the two warpgroups take the blocks of a pair in turn and share one running max per row
 //     ("seesaw"); WG0 owns O[:, 0:256], WG1 O[:, 256:512], both in registers (64 x 256 fp32 each):
 //       WG0: m0 = max(m, rowmax S0); P0 = exp2(S0 - m0); O_L = O_L a0 + P0 V0L
