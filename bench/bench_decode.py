@@ -8,7 +8,7 @@ FLOPs = 2 * h_q * s_q * sum(attended keys) * (d_qk + d_v); bytes = q + attended 
 2*576 B dense, 656 B V3.2, 584 B MODEL1) + out. Fractions are of the card's measured ceilings.
 
 Usage: python3 bench/bench_decode.py [--cases NAME,...] [--no-torch] [--impls default,portable]
-                                     [--flashmla DIR] [--reuse-plan] [--between copy|gemm]
+                                     [--env VAR=a,b] [--flashmla DIR] [--reuse-plan] [--between copy|gemm]
 
 NAME is a case of CASES, or any dense shape spelled the same way:
 dense_b<b>[_sq<s_q>]_h<h_q>_sk<s_k>[_causal][_varlen] (all lengths s_k unless _varlen; a name in
@@ -16,6 +16,10 @@ CASES keeps its own definition, see case_by_name).
 
 --reuse-plan times what every layer of a step after the first runs: the call with a plan made once
 before the timing (FlashMLA's scheduler object, or ours, initialised by the warm-up call).
+--impls and --env time variants of our call side by side, their graphs' replays alternated with one
+another (and FlashMLA's): one per MLA_KERNELS_IMPL value, times one per value of the environment
+variable VAR (read by the library when a call is made, so each graph keeps the setting it was
+captured under), e.g. --env MLA_KERNELS_PDL=0,1.
 --between times each replay right after other work (a 1 GiB copy or a large matmul), as an attention
 call runs between a layer's other kernels, rather than on a GPU whose caches still hold the previous
 replay's data and whose clocks have idled.
@@ -316,6 +320,9 @@ def main():
     parser.add_argument("--impls", default="default",
                         help="comma-separated MLA_KERNELS_IMPL values to time side by side ('default': the "
                              "dispatch's choice), e.g. default,portable")
+    parser.add_argument("--env", metavar="VAR=a,b",
+                        help="also time our call captured under each of these values of the environment "
+                             "variable VAR (replays alternated)")
     parser.add_argument("--flashmla", metavar="DIR",
                         help="also time FlashMLA (the `flash_mla` package in DIR) on the same inputs; "
                              "sparse calls with h_q not a multiple of 64 are padded to it, as FlashMLA needs")
@@ -329,6 +336,15 @@ def main():
     REUSE_PLAN = args.reuse_plan
     BETWEEN = between_graph(args.between) if args.between else None
     impls = args.impls.split(",")
+    env_var, env_values = None, [None]
+    if args.env:
+        env_var, _, values = args.env.partition("=")
+        if not env_var or not values:
+            raise SystemExit(f"--env {args.env!r}: expected VAR=value[,value...]")
+        env_values = values.split(",")
+    # (label, MLA_KERNELS_IMPL or None, value of env_var or None) per variant of our call.
+    variants = [(" ".join(x for x in (impl if len(impls) > 1 else "", f"{env_var}={v}" if env_var else "") if x),
+                 None if impl == "default" else impl, v) for impl in impls for v in env_values]
     fm = load_flashmla(args.flashmla) if args.flashmla else None
     how = "; plan reused" if REUSE_PLAN else ""
     if args.between:
@@ -344,7 +360,7 @@ def main():
         torch.manual_seed(seed)  # both libraries get the same inputs
         case = case_by_name(name)
         ours, plain, flops, bytes_ = case()
-        t_fm, g_fm = float("nan"), None
+        t_fm, g_fm, theirs = float("nan"), None, None
         if fm:
             torch.manual_seed(seed)
             try:
@@ -352,31 +368,41 @@ def main():
                 g_fm = capture(theirs)
             except (AttributeError, RuntimeError, AssertionError) as e:  # a call FlashMLA does not offer
                 print(f"# FlashMLA {name}: {type(e).__name__}: {str(e).splitlines()[0][:100]}")
-        for k, impl in enumerate(impls):
-            if impl == "default":
-                os.environ.pop("MLA_KERNELS_IMPL", None)
+        saved = {k: os.environ.get(k) for k in ("MLA_KERNELS_IMPL", env_var) if k}
+        graphs = [] if g_fm is None else [g_fm]
+        for _, impl, value in variants:  # each graph keeps the setting it was captured under
+            for key, val in (("MLA_KERNELS_IMPL", impl), (env_var, value)):
+                if key is None:
+                    continue
+                if val is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = val
+            graphs.append(capture(ours))
+        for key, val in saved.items():
+            if val is None:
+                os.environ.pop(key, None)
             else:
-                os.environ["MLA_KERNELS_IMPL"] = impl
-            if k == 0 and g_fm is not None:  # FlashMLA's replays alternate with ours
-                t_fm, t = time_graphs([g_fm, capture(ours)])
-                del g_fm, theirs
+                os.environ[key] = val
+        times = time_graphs(graphs)
+        if g_fm is not None:
+            t_fm = times.pop(0)
+        del graphs, g_fm, theirs
+        torch.cuda.empty_cache()
+        t_torch = float("nan")
+        if plain is not None and not args.no_torch:
+            try:
+                t_torch = time_call(plain, calls=2, replays=5)
+            except torch.OutOfMemoryError:
                 torch.cuda.empty_cache()
-            else:
-                t = time_call(ours)
-            t_torch = float("nan")
-            if k == 0 and plain is not None and not args.no_torch:
-                try:
-                    t_torch = time_call(plain, calls=2, replays=5)
-                except torch.OutOfMemoryError:
-                    torch.cuda.empty_cache()
+        for (variant, _, _), t in zip(variants, times):
             tflops, gbps = flops / t / 1e6, bytes_ / t / 1e3
-            label = name if len(impls) == 1 else f"{name} [{impl}]"
+            label = f"{name} [{variant}]" if variant else name
             line = (f"{label:<44} {t:9.1f} {tflops:8.1f} {gbps:8.0f} {100 * tflops / MATMUL_TFLOPS:5.1f}% "
                     f"{100 * gbps / COPY_GBPS:5.1f}% {t_torch:10.1f} {t_torch / t:7.2f}x")
             if fm:
                 line += f" {t_fm:12.1f} {t_fm / t:11.2f}x"
             print(line, flush=True)
-        os.environ.pop("MLA_KERNELS_IMPL", None)
         del ours, plain
         torch.cuda.empty_cache()
 
