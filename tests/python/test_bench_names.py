@@ -31,3 +31,33 @@ def test_fixed_cases_keep_their_definitions():
 def test_unknown_names_are_refused(name):
     with pytest.raises(SystemExit, match="unknown case"):
         B.case_by_name(name)
+
+
+def test_variants_are_captured_under_their_settings_and_timed_in_one_alternation(monkeypatch, capsys):
+    """--impls and --env: one graph per (implementation, value), each captured with its setting in
+    the environment, all timed by one alternation (FlashMLA's first), the environment restored."""
+    captured, timed = [], []
+    monkeypatch.setattr(B, "case_by_name", lambda name: lambda api=None: ((lambda: None), None, 1e9, 1e9))
+    monkeypatch.setattr(B, "load_flashmla", lambda path: object())
+
+    def capture(fn, calls=10):
+        captured.append((os.environ.get("MLA_KERNELS_IMPL"), os.environ.get("MLA_TEST_SWITCH")))
+        return len(captured)
+    monkeypatch.setattr(B, "capture", capture)
+    monkeypatch.setattr(B, "time_graphs", lambda graphs, calls=10, replays=20: timed.append(list(graphs)) or
+                        [100.0 + g for g in graphs])
+    monkeypatch.setattr(B.torch.cuda, "get_device_name", lambda: "test")
+    monkeypatch.setattr(B.torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setenv("MLA_TEST_SWITCH", "outside")
+    monkeypatch.delenv("MLA_KERNELS_IMPL", raising=False)
+    monkeypatch.setattr(B.sys, "argv", ["bench_decode.py", "--cases", "a", "--no-torch", "--impls", "default,portable",
+                                        "--env", "MLA_TEST_SWITCH=0,1", "--flashmla", "dir"])
+    B.main()
+    assert captured == [(None, "outside"), (None, "0"), (None, "1"), ("portable", "0"), ("portable", "1")]
+    assert timed == [[1, 2, 3, 4, 5]]
+    assert os.environ["MLA_TEST_SWITCH"] == "outside" and "MLA_KERNELS_IMPL" not in os.environ
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("a ")]
+    assert [line.split()[1:3] for line in lines] == [["[default", "MLA_TEST_SWITCH=0]"], ["[default", "MLA_TEST_SWITCH=1]"],
+                                                     ["[portable", "MLA_TEST_SWITCH=0]"], ["[portable", "MLA_TEST_SWITCH=1]"]]
+    assert [float(line.split()[3]) for line in lines] == [102.0, 103.0, 104.0, 105.0]
+    assert all(line.split()[-2] == "101.0" for line in lines)  # FlashMLA's time beside each
