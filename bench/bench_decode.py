@@ -313,6 +313,15 @@ def load_flashmla(path):
     return fm
 
 
+def set_env(values):
+    """Sets each variable of `values` (a value of None unsets it)."""
+    for key, val in values.items():
+        if val is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = val
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--cases", default=",".join(CASES))
@@ -371,19 +380,9 @@ def main():
         saved = {k: os.environ.get(k) for k in ("MLA_KERNELS_IMPL", env_var) if k}
         graphs = [] if g_fm is None else [g_fm]
         for _, impl, value in variants:  # each graph keeps the setting it was captured under
-            for key, val in (("MLA_KERNELS_IMPL", impl), (env_var, value)):
-                if key is None:
-                    continue
-                if val is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = val
+            set_env({"MLA_KERNELS_IMPL": impl, **({env_var: value} if env_var else {})})
             graphs.append(capture(ours))
-        for key, val in saved.items():
-            if val is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = val
+        set_env(saved)
         times = time_graphs(graphs)
         if g_fm is not None:
             t_fm = times.pop(0)

@@ -277,8 +277,8 @@ TEST(CudaCombine, ManyRequests) {
     for (auto& l : lens) l = int(rng() % 6000);
     expect_combine_matches_host(lens, /*s_q=*/2, /*h_q=*/19, /*parts=*/132, 9 + b);
   }
-  // DeepSeek's decode batch: 128 requests of 128 heads over 66 parts, 4096 items, several for every
-  // CTA of the wave-sized grid, about half of them of whole requests.
+  // DeepSeek's decode batch: 128 requests of 128 heads over 66 parts (the dense varlen
+  // benchmark's plan shape): whole requests beside requests cut into pieces.
   std::vector<int32_t> lens(128);
   for (auto& l : lens) l = 64 + int(rng() % 8192);
   expect_combine_matches_host(lens, /*s_q=*/1, /*h_q=*/128, /*parts=*/66, 140);
