@@ -37,10 +37,11 @@
 // Tile sizes: BLOCK_M 64 rows, 64 keys per block, 64 x 64 TMA tiles (128-byte swizzle), two key
 // buffers; wgmma m64n64k16 (S, both operands in shared memory, one group per tile) and m64n256k16
 // (P V: WG0's own P from registers, every other P from shared memory, stored by stmatrix.x4).
-// Reached on an H200 (bench/RESULTS.md, eighteenth session, whole API calls beside FlashMLA in one
-// run): b=128 h_q=128 s_k=4096 varlen 255.3 us (FlashMLA 257.4, 1.01x; 243-247 us with the plan
-// reused), s_q=2 causal s_k=8192 890.3 (881.8, 0.99x), b=2 s_k=65536 77.7 (90.1, 1.16x), b=1..8
-// short and long 1.07-1.48x; h_q=16 b=128 s_k=8192 299.8 us, 94.6% of the copy ceiling (96.4-97.3%
+// Reached on an H200 (bench/RESULTS.md, twentieth session, whole API calls beside FlashMLA in one
+// run): b=128 h_q=128 s_k=4096 varlen 256.8 us (FlashMLA 259.0, 1.01x; with both plans reused
+// FlashMLA's attention kernel is 4% ahead, 223.4 against 232.6 us), s_q=2 causal s_k=8192 880.8
+// (865.8, 0.98x), b=2 s_k=65536 75.6 (89.0, 1.18x), b=1..8 short and long 1.09-1.50x; h_q=16 b=128
+// s_k=8192 288.1 us, 98.5% of the copy ceiling (93.9-98.5% over three machines; 96.4-97.3%
 // alone with the plan reused, sixteenth and fifteenth sessions). The largest steps (each measured in
 // bench/RESULTS.md): exp2 in one MUFU 356 -> 326 us; constant-offset descriptors, one-compare masks
 // and vote-skipped rescales 326 -> 314; mask-free steady pairs 284 -> 270; S committed one group per
@@ -48,7 +49,10 @@
 // (MUFU sequences, index and mask arithmetic), warpgroup waits and epilogue stores; SM active cycles
 // vary +-7%. Not the bound: L2-to-SM bandwidth. Row tiles of one part in a cluster of two, each key
 // tile multicast into both (half the L2 traffic), were no faster even without the cross-CTA gate
-// that makes the reuse of a buffer safe (eighteenth session).
+// that makes the reuse of a buffer safe (eighteenth session). Merging a split request's pieces in
+// this kernel (the last CTA to finish one of them) rather than in the combine kernel was slower in
+// every case: one SM reads the tile's partials, and the counters' memset breaks the chain of
+// dependent launches (twentieth session).
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <cuda_runtime.h>
