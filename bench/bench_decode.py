@@ -8,7 +8,8 @@ FLOPs = 2 * h_q * s_q * sum(attended keys) * (d_qk + d_v); bytes = q + attended 
 2*576 B dense, 656 B V3.2, 584 B MODEL1) + out. Fractions are of the card's measured ceilings.
 
 Usage: python3 bench/bench_decode.py [--cases NAME,...] [--no-torch] [--impls default,portable]
-                                     [--env VAR=a,b] [--flashmla DIR] [--reuse-plan] [--between copy|gemm]
+                                     [--env VAR=a,b] [--flashmla DIR] [--reuse-plan] [--kernels]
+                                     [--between copy|gemm]
 
 NAME is a case of CASES, or any dense shape spelled the same way:
 dense_b<b>[_sq<s_q>]_h<h_q>_sk<s_k>[_causal][_varlen] (all lengths s_k unless _varlen; a name in
@@ -20,6 +21,8 @@ before the timing (FlashMLA's scheduler object, or ours, initialised by the warm
 another (and FlashMLA's): one per MLA_KERNELS_IMPL value, times one per value of the environment
 variable VAR (read by the library when a call is made, so each graph keeps the setting it was
 captured under), e.g. --env MLA_KERNELS_PDL=0,1.
+--kernels adds, after each case, the GPU time per call of each kernel of every timed graph (planner,
+attention, combine), from torch.profiler.
 --between times each replay right after other work (a 1 GiB copy or a large matmul), as an attention
 call runs between a layer's other kernels, rather than on a GPU whose caches still hold the previous
 replay's data and whose clocks have idled.
@@ -79,6 +82,39 @@ def time_graphs(graphs, calls=10, replays=20):
             end.synchronize()
             t.append(start.elapsed_time(end) / calls * 1e3)
     return [statistics.median(t) for t in times]
+
+
+def short_kernel_name(name):
+    """A kernel's name without namespaces, template arguments and parameters, e.g.
+    'void mla::cuda::(anonymous namespace)::combine_kernel<__nv_bfloat16, 4>(mla::CombineParams)' ->
+    'combine_kernel'."""
+    name = name.replace("(anonymous namespace)::", "")
+    return re.split(r"[<(]", name, maxsplit=1)[0].split("::")[-1].split()[-1]
+
+
+def per_call_kernel_times(events, calls):
+    """[(kernel, microseconds per call)], longest first, from (kernel name, microseconds) events of
+    `calls` calls."""
+    totals = {}
+    for name, us in events:
+        key = short_kernel_name(name)
+        totals[key] = totals.get(key, 0.0) + us
+    return sorted(((k, v / calls) for k, v in totals.items()), key=lambda kv: -kv[1])
+
+
+def kernel_times(graph, calls=10, replays=5):
+    """GPU time per call of each kernel (and memset) a graph's replays run, by torch.profiler. A kernel
+    launched early as a programmatic dependent counts from its launch, so its time can include a wait
+    for the kernel before it."""
+    activities = [torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
+    cuda = torch.autograd.DeviceType.CUDA
+    events = ((e.name, getattr(e, "device_time", None) or e.device_time_total)
+              for e in prof.events() if e.device_type == cuda)
+    return per_call_kernel_times(events, calls * replays)
 
 
 def between_graph(kind):
@@ -337,6 +373,9 @@ def main():
                              "sparse calls with h_q not a multiple of 64 are padded to it, as FlashMLA needs")
     parser.add_argument("--reuse-plan", action="store_true",
                         help="plan once before timing (what layers after a step's first run)")
+    parser.add_argument("--kernels", action="store_true",
+                        help="after each case, the GPU time per call of each kernel of every timed graph "
+                             "(torch.profiler over 5 more replays)")
     parser.add_argument("--between", choices=["copy", "gemm"],
                         help="replay other work (a 1 GiB copy, or an 8192^3 bf16 matmul) before each timed "
                              "replay, as the layers around an attention call leave the GPU")
@@ -384,6 +423,10 @@ def main():
             graphs.append(capture(ours))
         set_env(saved)
         times = time_graphs(graphs)
+        breakdown = []
+        if args.kernels:
+            labels = ([] if g_fm is None else ["FlashMLA"]) + [f"ours [{v}]" if v else "ours" for v, _, _ in variants]
+            breakdown = [(label, kernel_times(g)) for label, g in zip(labels, graphs)]
         if g_fm is not None:
             t_fm = times.pop(0)
         del graphs, g_fm, theirs
@@ -402,6 +445,8 @@ def main():
             if fm:
                 line += f" {t_fm:12.1f} {t_fm / t:11.2f}x"
             print(line, flush=True)
+        for label, kernels in breakdown:
+            print(f"#   {label}: " + ", ".join(f"{k} {us:.1f}" for k, us in kernels) + " us per call", flush=True)
         del ours, plain
         torch.cuda.empty_cache()
 

@@ -61,3 +61,42 @@ def test_variants_are_captured_under_their_settings_and_timed_in_one_alternation
                                                      ["[portable", "MLA_TEST_SWITCH=0]"], ["[portable", "MLA_TEST_SWITCH=1]"]]
     assert [float(line.split()[3]) for line in lines] == [102.0, 103.0, 104.0, 105.0]
     assert all(line.split()[-2] == "101.0" for line in lines)  # FlashMLA's time beside each
+
+
+@pytest.mark.parametrize("full,short", [
+    ("void mla::cuda::sm90::dense_decode_kernel<__nv_bfloat16, 576>(mla::cuda::sm90::DenseArgs)", "dense_decode_kernel"),
+    ("void mla::cuda::(anonymous namespace)::combine_kernel<__nv_bfloat16, 4>(mla::CombineParams)", "combine_kernel"),
+    ("smxx::decode::get_mla_metadata_kernel(GetDecodeSchedMetaParams)", "get_mla_metadata_kernel"),
+    ("void sm90::flash_fwd_splitkv_mla_kernel<Traits<cutlass::bfloat16_t>, TmaParams<(int)1>>(P)",
+     "flash_fwd_splitkv_mla_kernel"),
+    ("Memset (Device)", "Memset"),
+])
+def test_kernel_names_are_shortened(full, short):
+    assert B.short_kernel_name(full) == short
+
+
+def test_kernel_times_are_summed_per_kernel_and_divided_by_the_calls():
+    events = [("void a::k1<int>(P)", 10.0), ("void a::k2(P)", 3.0), ("void a::k1<float>(P)", 30.0), ("void a::k2(P)", 1.0)]
+    assert B.per_call_kernel_times(events, calls=4) == [("k1", 10.0), ("k2", 1.0)]
+
+
+def test_kernels_flag_prints_each_graphs_kernels_after_the_case(monkeypatch, capsys):
+    """--kernels: after a case's lines, one line per timed graph (FlashMLA's first, then each variant of
+    ours) with its kernels' times per call."""
+    monkeypatch.setattr(B, "case_by_name", lambda name: lambda api=None: ((lambda: None), None, 1e9, 1e9))
+    monkeypatch.setattr(B, "load_flashmla", lambda path: object())
+    graphs = iter(range(1, 10))
+    monkeypatch.setattr(B, "capture", lambda fn, calls=10: next(graphs))
+    monkeypatch.setattr(B, "time_graphs", lambda gs, calls=10, replays=20: [100.0 + g for g in gs])
+    monkeypatch.setattr(B, "kernel_times", lambda g, calls=10, replays=5: [(f"attn{g}", 90.0 + g), ("combine", 9.0)])
+    monkeypatch.setattr(B.torch.cuda, "get_device_name", lambda: "test")
+    monkeypatch.setattr(B.torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(B.sys, "argv", ["bench_decode.py", "--cases", "a", "--no-torch", "--env", "MLA_TEST_SWITCH=0,1",
+                                        "--flashmla", "dir", "--kernels"])
+    B.main()
+    out = capsys.readouterr().out.splitlines()
+    kernel_lines = [line for line in out if line.startswith("#   ")]
+    assert kernel_lines == ["#   FlashMLA: attn1 91.0, combine 9.0 us per call",
+                            "#   ours [MLA_TEST_SWITCH=0]: attn2 92.0, combine 9.0 us per call",
+                            "#   ours [MLA_TEST_SWITCH=1]: attn3 93.0, combine 9.0 us per call"]
+    assert out.index(kernel_lines[0]) > max(i for i, line in enumerate(out) if line.startswith("a "))
