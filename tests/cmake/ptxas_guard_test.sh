@@ -15,13 +15,27 @@ check() {  # name, expected exit code, expected stderr pattern (or ""), forbidde
   if [ -n "$has" ] && ! grep -q -- "$has" <<<"$err"; then echo "FAIL $name: stderr lacks '$has': $err"; fail=1; fi
   if [ -n "$hasnt" ] && grep -q -- "$hasnt" <<<"$err"; then echo "FAIL $name: stderr has '$hasnt': $err"; fail=1; fi
 }
+# What ptxas -v prints (the serialisation report as ptxas words it), and stand-in compilers that
+# print lines to stderr and exit with a given code.
 info='ptxas info    : Used 255 registers, used 7 barriers, 72 bytes cumulative stack size'
-c7519="ptxas info    : (C7519) warpgroup.arrive is injected in around line 10 by compiler to allow use of registers in GMMA in function 'k'"
-c7520="ptxas info    : (C7520) Potential Performance Loss: wgmma.mma_async instructions are serialized due to program dependence on compiler-inserted WG.AR in divergent path in the function 'k'"
-check clean 0 "" "ptxas info" bash -c "echo '$info' >&2; echo '$c7519' >&2; echo '    72 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads' >&2"
-check warning-kept 0 "warning: something" "" bash -c "echo 'x.cu(3): warning: something' >&2; echo '$info' >&2"
-check serialised 1 "serialised wgmma" "" bash -c "echo '$info' >&2; echo '$c7520' >&2"
-check serialised-named 1 "C7520" "" bash -c "echo '$c7520' >&2"
-check compile-error 2 "error: bad" "" bash -c "echo 'x.cu(1): error: bad' >&2; exit 2"
+stack='    72 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads'
+c7519="ptxas info    : (C7519) warpgroup.arrive is injected in around line 10 by compiler to allow use"
+c7519+=" of registers in GMMA in function 'k'"
+c7520="ptxas info    : (C7520) Potential Performance Loss: wgmma.mma_async instructions are serialized"
+c7520+=" due to program dependence on compiler-inserted WG.AR in divergent path in the function 'k'"
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+stand_in() {  # exit code, lines...: a script that prints the lines to stderr and exits with the code
+  local f
+  f=$(mktemp "$tmp/compiler.XXXX")
+  { echo "#!/usr/bin/env bash"; printf 'printf "%%s\\n"'; printf " %q" "${@:2}"; printf ' >&2\nexit %s\n' "$1"; } > "$f"
+  chmod +x "$f"
+  echo "$f"
+}
+check clean 0 "" "ptxas info" "$(stand_in 0 "$info" "$c7519" "$stack")"
+check warning-kept 0 "warning: something" "" "$(stand_in 0 'x.cu(3): warning: something' "$info")"
+check serialised 1 "serialised wgmma" "" "$(stand_in 0 "$info" "$c7520")"
+check serialised-named 1 "C7520" "" "$(stand_in 0 "$c7520")"
+check compile-error 2 "error: bad" "" "$(stand_in 2 'x.cu(1): error: bad')"
 [ $fail -eq 0 ] && echo "ptxas_guard: all checks passed"
 exit $fail
