@@ -41,8 +41,8 @@
 // run): b=128 h_q=128 s_k=4096 varlen 256.8 us (FlashMLA 259.0, 1.01x; with both plans reused
 // FlashMLA's attention kernel is 4% ahead, 223.4 against 232.6 us), s_q=2 causal s_k=8192 880.8
 // (865.8, 0.98x), b=2 s_k=65536 75.6 (89.0, 1.18x), b=1..8 short and long 1.09-1.50x; h_q=16 b=128
-// s_k=8192 288.1 us, 98.5% of the copy ceiling (93.9-98.5% over three machines; 96.4-97.3%
-// alone with the plan reused, sixteenth and fifteenth sessions). The largest steps (each measured in
+// s_k=8192 288.1 us, 98.5% of the copy ceiling (98.4% on a second machine; 96.4-97.3% alone
+// with the plan reused, sixteenth and fifteenth sessions). The largest steps (each measured in
 // bench/RESULTS.md): exp2 in one MUFU 356 -> 326 us; constant-offset descriptors, one-compare masks
 // and vote-skipped rescales 326 -> 314; mask-free steady pairs 284 -> 270; S committed one group per
 // tile 268.5 -> 262.0. Against FlashMLA's kernel (ncu, tenth session): more fixed-latency stalls
