@@ -98,11 +98,12 @@ __device__ __forceinline__ bool rows_16b_aligned(const void* base, int64_t strid
 // vec: every row 16-byte aligned. issued() runs in every thread once its copies are in flight,
 // before it waits for them (loads the caller wants queued right behind Q's); without vec the
 // copies are plain loads and stores, and issued() runs before them. Ends with the proxy fence; the
-// caller synchronises the threads that wrote.
+// caller synchronises the threads that wrote. kWait = false leaves the copies in flight: the
+// caller runs staged_rows_landed() in the same threads before it synchronises them.
 struct NothingMore {
   __device__ void operator()() const {}
 };
-template <typename T, int D, int kRows, int kThreads, typename RowSrc, typename Issued = NothingMore>
+template <typename T, int D, int kRows, int kThreads, bool kWait = true, typename RowSrc, typename Issued = NothingMore>
 __device__ __forceinline__ void stage_rows(const RowSrc& row_src, bool vec, uint8_t* q_tiles, int tid,
                                            const Issued& issued = {}) {
   constexpr int kChunks = D / 8;  // 16-byte chunks per row
@@ -122,6 +123,7 @@ __device__ __forceinline__ void stage_rows(const RowSrc& row_src, bool vec, uint
     for (int ch = tid % kPerRow; ch < kChunks; ch += kPerRow)
       cp_async_16(row + (ch / 8) * kRows * 128 + (((ch % 8) ^ sw) << 4), from + ch * 8, bytes);
     issued();
+    if constexpr (!kWait) return;
     cp_async_wait_all();
   } else {
     issued();
@@ -137,18 +139,23 @@ __device__ __forceinline__ void stage_rows(const RowSrc& row_src, bool vec, uint
       *reinterpret_cast<uint4*>(row + (ch / 8) * kRows * 128 + (((ch % 8) ^ sw) << 4)) = v;
     }
   }
+  if constexpr (kWait) fence_proxy_async();
+}
+// The end of stage_rows<..., kWait = false>: its copies landed and visible to wgmma.
+__device__ __forceinline__ void staged_rows_landed() {
+  cp_async_wait_all();
   fence_proxy_async();
 }
 
 // Query rows [row_base, row_base + kRows) of KV head `group` of request req (row r: token
 // r / (h_q / h_k), head group * h_q / h_k + r % (h_q / h_k)), staged as stage_rows does.
-template <typename T, int D, int kRows, int kThreads, typename Issued = NothingMore>
+template <typename T, int D, int kRows, int kThreads, bool kWait = true, typename Issued = NothingMore>
 __device__ __forceinline__ void stage_q(const DenseDecodeParams& p, int req, int group, int row_base, uint8_t* q_tiles,
                                         int tid, const Issued& issued = {}) {
   const int hpg = p.h_q / p.h_k, num_rows = p.s_q * hpg;
   const T* q = static_cast<const T*>(p.q);
   const bool vec = rows_16b_aligned(q, p.q_stride_b, p.q_stride_s, p.q_stride_h);
-  stage_rows<T, D, kRows, kThreads>(
+  stage_rows<T, D, kRows, kThreads, kWait>(
       [&](int r) -> const T* {
         const int row = row_base + r;
         if (row >= num_rows) return nullptr;

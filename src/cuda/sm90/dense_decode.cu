@@ -187,23 +187,24 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_kernel(const __grid_
   uint32_t rounds[2] = {0, 0};  // loads issued into each buffer so far (mbarrier phases)
   const int num_pieces = decode_io::num_pieces(p.split, p.b, part);
   // A piece's Q -> shared memory (swizzled; rows past the tile's live rows zero), with its first two
-  // blocks' loads (both buffers are free) right behind Q's copies and then `also`, all before the
-  // wait for Q: the block-table reads and the keys' latency overlap Q's, and Q, queued first, is
-  // not held up behind 144 KB of keys. A piece is staged by the epilogue of the piece before it.
-  auto stage_piece = [&](const DensePiece& x, const auto& also) {
+  // blocks' loads (both buffers are free) right behind Q's copies: the block-table reads and the
+  // keys' latency overlap Q's, and Q, queued first, is not held up behind 144 KB of keys. Left in
+  // flight (staged_rows_landed() waits): the epilogue of the piece before, which stages a piece,
+  // runs its stores meanwhile.
+  auto stage_piece = [&](const DensePiece& x) {
     const int32_t* x_table = p.block_table + int64_t(x.req) * p.block_table_stride;
-    stage_q<T, D, kBlockM, kThreads>(p, x.req, group, row_base, sm.q[0], tid, [&] {
+    stage_q<T, D, kBlockM, kThreads, false>(p, x.req, group, row_base, sm.q[0], tid, [&] {
       if (tid == 0) {
         if (x.n_blocks > 0) load_tiles(0, dense_page(p, x_table, x.block_begin), 0, kTiles);
         if (x.n_blocks > 1) load_tiles(1, dense_page(p, x_table, x.block_begin + 1), 0, kTiles);
       }
-      also();
     });
   };
   DensePiece pc = {};
   if (num_pieces > 0) {
     pc = dense_piece(p, plan, part, 0, kBlockN);
-    stage_piece(pc, [] {});
+    stage_piece(pc);
+    staged_rows_landed();
   }
   for (int k = 0; k < num_pieces; ++k) {
     const int i = pc.req, len = pc.len, block_begin = pc.block_begin, n_blocks = pc.n_blocks;
@@ -464,14 +465,17 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_kernel(const __grid_
       }
     };
     // The next piece's Q and first blocks go out before this piece's stores, which then overlap
-    // their latency.
-    if (k + 1 < num_pieces) {
-      const DensePiece nx = dense_piece(p, plan, part, k + 1, kBlockN);
-      stage_piece(nx, store_piece);
-      pc = nx;
-    } else {
-      store_piece();
+    // their latency. One call site of the stores: each is a long unrolled sequence, run once a
+    // piece from an instruction cache the steady pairs have had to themselves.
+    const bool more = k + 1 < num_pieces;
+    DensePiece nx = pc;
+    if (more) {
+      nx = dense_piece(p, plan, part, k + 1, kBlockN);
+      stage_piece(nx);
     }
+    store_piece();
+    if (more) staged_rows_landed();
+    pc = nx;
   }
 #endif  // MLA_SM90A_DEVICE
 }
