@@ -33,7 +33,8 @@
 //   * with a fresh plan every CTA first plans its own part (plan_block.cuh; no planner kernel
 //     runs before it); the kernel is a programmatic dependent of the kernel before it and the
 //     combine kernel one of it;
-//   * epilogue: whole pieces write out/lse, split pieces fp32 partials.
+//   * epilogue: whole pieces write out/lse, split pieces fp32 partials, from one call site behind
+//     the next piece's Q copies (each inlined copy of the stores is code a piece runs once).
 // Tile sizes: BLOCK_M 64 rows, 64 keys per block, 64 x 64 TMA tiles (128-byte swizzle), two key
 // buffers; wgmma m64n64k16 (S, both operands in shared memory, one group per tile) and m64n256k16
 // (P V: WG0's own P from registers, every other P from shared memory, stored by stmatrix.x4).
@@ -52,7 +53,10 @@
 // that makes the reuse of a buffer safe (eighteenth session). Merging a split request's pieces in
 // this kernel (the last CTA to finish one of them) rather than in the combine kernel was slower in
 // every case: one SM reads the tile's partials, and the counters' memset breaks the chain of
-// dependent launches (twentieth session).
+// dependent launches (twentieth session). Loading the next piece's first blocks and Q during a
+// piece's last pairs was slower too (b=128 s_k=512 56.2 -> 58.5 us). With plans reused this kernel
+// trails FlashMLA's by a fixed cost per launch, not per block or piece: 50.5 against 41.2 us at
+// b=128 s_k=512 (two 8-block pieces per CTA), 232.6 against 223.4 at varlen (twenty-first session).
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <cuda_runtime.h>
