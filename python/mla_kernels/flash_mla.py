@@ -204,7 +204,8 @@ def flash_mla_with_kvcache(
     _check_tensor("flash_mla_with_kvcache", "q", q, 4)
     _check_tensor("flash_mla_with_kvcache", "k_cache", k_cache, 4)
     if softmax_scale is None:
-        softmax_scale = q.shape[-1] ** (-0.5)
+        # (A q of head dim 0 gets the op's error naming its head dim, not a ZeroDivisionError here.)
+        softmax_scale = q.shape[-1] ** (-0.5) if q.shape[-1] > 0 else 1.0
     if isinstance(tile_scheduler_metadata, FlashMLASchedMeta):
         assert num_splits is None, "flash_mla_with_kvcache: num_splits must be None with a FlashMLASchedMeta"
         return _with_sched_meta(
