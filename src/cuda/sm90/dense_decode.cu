@@ -79,6 +79,24 @@ namespace mla::cuda {
 
 namespace sm90 {
 
+// Timing aid, never for results: MLA_DENSE_TIMELINE=1 makes thread 0 of every CTA of a launch write
+// the global timer (ns) into its row of a device table: [0] the CTA's piece count, [1] entry, [2] after
+// the dependency wait (and the plan), then for each of its first kTimelinePieces pieces its start,
+// the end of its pairs and the end of its epilogue (0: not reached). The library then exports
+// `extern "C" int mla_kernels_dense_timeline(unsigned long long* rows, int max_rows)`, which copies
+// the last launch's table (row = (part * gridDim.y + KV head) * gridDim.x + row tile) and returns the
+// rows written, for ctypes. Global stores, not printf: a call in the kernel serialises its wgmma.
+#ifndef MLA_DENSE_TIMELINE
+#define MLA_DENSE_TIMELINE 0
+#endif
+#if MLA_DENSE_TIMELINE
+constexpr int kTimelinePieces = 6;
+constexpr int kTimelineStamps = 3 + 3 * kTimelinePieces;
+constexpr int kTimelineRows = 2048;
+__device__ unsigned long long g_dense_timeline[kTimelineRows][kTimelineStamps];
+__device__ int g_dense_timeline_rows;
+#endif
+
 constexpr int kThreads = 256;
 constexpr int kBlockM = 64;          // query rows per CTA
 constexpr int kBlockN = 64;          // keys per block = page size = plan block
@@ -111,6 +129,7 @@ struct Smem {
   float s1[kBlockM];      // WG1's rescale factor of the pair
   float l[2][kBlockM];    // row sums of each warpgroup, reduced in the epilogue
   uint64_t full[2][kTiles];
+
   __device__ uint8_t* p(int buf) { return kPInRope ? k[buf][kTiles - 1] : p_own[buf]; }
 };
 
@@ -181,6 +200,25 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_kernel(const __grid_
     issue_key_tiles(sm.k[buf], sm.full[buf], &args.kmap, page, group, t0, t1, policy);
   };
 
+#if MLA_DENSE_TIMELINE
+  const int tl_row = (int(blockIdx.z) * int(gridDim.y) + int(blockIdx.y)) * int(gridDim.x) + int(blockIdx.x);
+  unsigned long long* timeline = tl_row < kTimelineRows ? g_dense_timeline[tl_row] : nullptr;
+  auto stamp = [&](int at) {
+    if (tid == 0 && timeline && at < kTimelineStamps) {
+      unsigned long long t;
+      asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
+      timeline[at] = t;
+    }
+  };
+  if (tid == 0 && timeline) {
+    for (int at = 0; at < kTimelineStamps; ++at) timeline[at] = 0;
+    if (tl_row == 0) g_dense_timeline_rows = int(gridDim.x * gridDim.y * gridDim.z);
+  }
+  stamp(1);
+#define MLA_TL(at) stamp(at)
+#else
+#define MLA_TL(at)
+#endif
   if (tid == 0) {
     for (int b = 0; b < 2; ++b)
       for (int t = 0; t < kTiles; ++t) mbar_init(&sm.full[b][t], 1);
@@ -188,6 +226,7 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_kernel(const __grid_
   }
   __syncthreads();
   wait_then_plan<kThreads>(p.split, plan, part, sm.k[0], sm.k[1]);
+  MLA_TL(2);
 
   uint32_t rounds[2] = {0, 0};  // loads issued into each buffer so far (mbarrier phases)
   const int num_pieces = decode_io::num_pieces(p.split, p.b, part);
@@ -216,6 +255,7 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_kernel(const __grid_
     const int32_t* table = p.block_table + int64_t(i) * p.block_table_stride;
     auto page_of = [&](int kb) { return dense_page(p, table, kb); };
     __syncthreads();  // Q staged, every thread's copies landed
+    MLA_TL(3 + 3 * k);
 
     // The last key position each row may see (bottom-right causal for s_q > 1).
     int row_limit[2];
@@ -443,6 +483,7 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_kernel(const __grid_
     if (!p.causal || p.s_q <= kBlockN)
       for (; j + 3 < n_blocks; j += 2) run_pair(j, std::true_type{});
     for (; j < n_blocks; j += 2) run_pair(j, std::false_type{});
+    MLA_TL(4 + 3 * k);
     rounds[0] += uint32_t((n_blocks + 1) / 2);
     rounds[1] += uint32_t(n_blocks / 2);
 
@@ -480,8 +521,13 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_kernel(const __grid_
     }
     store_piece();
     if (more) staged_rows_landed();
+    MLA_TL(5 + 3 * k);
     pc = nx;
   }
+#if MLA_DENSE_TIMELINE
+  if (tid == 0 && timeline) timeline[0] = (unsigned long long)num_pieces;
+#endif
+#undef MLA_TL
 #endif  // MLA_SM90A_DEVICE
 }
 
@@ -520,3 +566,18 @@ cudaError_t sm90_dense_decode(const DenseDecodeParams& p, cudaStream_t stream) {
 }
 
 }  // namespace mla::cuda
+
+#if MLA_DENSE_TIMELINE
+extern "C" int mla_kernels_dense_timeline(unsigned long long* rows, int max_rows) {
+  using namespace mla::cuda::sm90;
+  int n = 0;
+  if (cudaDeviceSynchronize() != cudaSuccess ||
+      cudaMemcpyFromSymbol(&n, g_dense_timeline_rows, sizeof(int)) != cudaSuccess)
+    return -1;
+  n = n < max_rows ? n : max_rows;
+  n = n < kTimelineRows ? n : kTimelineRows;
+  if (n > 0 && cudaMemcpyFromSymbol(rows, g_dense_timeline, size_t(n) * sizeof(g_dense_timeline[0])) != cudaSuccess)
+    return -1;
+  return n;
+}
+#endif
