@@ -311,8 +311,8 @@ CASES = {
     "dense_b128_sq2_h128_sk8192_causal_varlen": lambda **kw: dense_case(128, 2, 128, 8192, True, **kw),
     "dense_b2_h128_sk65536": lambda **kw: dense_case(2, 1, 128, 65536, False, fixed=True, **kw),
     "dense_b8_h128_sk1024": lambda **kw: dense_case(8, 1, 128, 1024, False, **kw),
-    # short sequences at a large batch: each CTA runs two 8-block pieces, so what a launch and a
-    # piece cost beyond their blocks shows
+    # short sequences at a large batch: each CTA runs two 8-block pieces, so what a change of piece
+    # costs beyond the blocks shows
     "dense_b128_h128_sk512": lambda **kw: dense_case(128, 1, 128, 512, False, fixed=True, **kw),
     # small batches, short and long sequences (the plan splits long ones across many parts)
     "dense_b1_h128_sk512": lambda **kw: dense_case(1, 1, 128, 512, False, fixed=True, **kw),

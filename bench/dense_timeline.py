@@ -28,7 +28,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_decode as B  # noqa: E402
 
-STAMPS = 21  # [0] pieces, [1] entry, [2] past the wait, then (start, pairs end, epilogue end) per piece
+# A row of the table: [0] pieces, [1] entry, [2] past the wait, then (start, pairs end, epilogue end)
+# per piece; kTimelineStamps in src/cuda/sm90/dense_decode.cu.
+STAMPS = 21
 MAX_PIECES = (STAMPS - 3) // 3
 
 

@@ -481,20 +481,16 @@ def test_sparse_unsupported_d_qk():
 def test_q_of_head_dim_zero_with_the_default_scale(kind):
     """The default softmax scale is d_qk ** -0.5: a q of head dim 0 gets the op's error naming the
     head dim, not a ZeroDivisionError from that default."""
-    if kind == "dense":
-        a = dense_base()
-        q0 = a["q"][..., :0]
-        meta, _ = flash_mla.get_mla_metadata()
-        call = lambda: flash_mla.flash_mla_with_kvcache(q0, a["k_cache"], a["block_table"], a["cache_seqlens"], 512,
-                                                        meta)
-    else:
-        a = sparse_base()
-        q0 = a["q"][..., :0]
-        meta, _ = flash_mla.get_mla_metadata()
-        call = lambda: flash_mla.flash_mla_with_kvcache(q0, a["kv"], None, None, 512, meta, is_fp8_kvcache=True,
-                                                        indices=a["indices"])
+    meta, _ = flash_mla.get_mla_metadata()
     with raises_named(names("d_qk|head dim|head_dim|head_size", "576|512")):
-        call()
+        if kind == "dense":
+            a = dense_base()
+            flash_mla.flash_mla_with_kvcache(a["q"][..., :0], a["k_cache"], a["block_table"], a["cache_seqlens"], 512,
+                                             meta)
+        else:
+            a = sparse_base()
+            flash_mla.flash_mla_with_kvcache(a["q"][..., :0], a["kv"], None, None, 512, meta, is_fp8_kvcache=True,
+                                             indices=a["indices"])
 
 
 def test_sparse_q_dim_mismatches_kv_format():

@@ -129,7 +129,6 @@ struct Smem {
   float s1[kBlockM];      // WG1's rescale factor of the pair
   float l[2][kBlockM];    // row sums of each warpgroup, reduced in the epilogue
   uint64_t full[2][kTiles];
-
   __device__ uint8_t* p(int buf) { return kPInRope ? k[buf][kTiles - 1] : p_own[buf]; }
 };
 
