@@ -3,10 +3,12 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <random>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -282,6 +284,117 @@ TEST(CudaCombine, ManyRequests) {
   std::vector<int32_t> lens(128);
   for (auto& l : lens) l = 64 + int(rng() % 8192);
   expect_combine_matches_host(lens, /*s_q=*/1, /*h_q=*/128, /*parts=*/66, 140);
+}
+
+// A C++ caller's out need not put its rows on 16 bytes (an offset view, an odd row stride): dense
+// decode then writes every row exactly as into an aligned out, bit for bit, and nothing between
+// the rows. The sm90 kernel stores aligned rows 16 bytes a lane and others by pairs. Both outs are
+// checked against the host reference too, over a cache whose unattended slots are NaN.
+TEST(CudaDense, OutRowsOffSixteenBytesMatchAlignedRows) {
+  std::mt19937 rng(11);
+  std::uniform_real_distribution<float> dist(-1.f, 1.f);
+  const int b = 3, s_q = 2, h_q = 128, h_k = 1, d = 576, page = 64, parts = 7;
+  const std::vector<int32_t> lens = {700, 320, 1};
+  const int max_blocks = 11, num_pages = b * max_blocks;
+  std::vector<int32_t> table(size_t(b) * max_blocks);
+  for (size_t x = 0; x < table.size(); ++x) table[x] = int32_t((x * 7 + 3) % num_pages);  // 7 is prime to 33
+  std::vector<uint16_t> cache(size_t(num_pages) * page * d, float_to_bf16(std::nanf("")));
+  for (int i = 0; i < b; ++i)
+    for (int t = 0; t < lens[i]; ++t)
+      for (int x = 0; x < d; ++x)
+        cache[(size_t(table[i * max_blocks + t / page]) * page + t % page) * d + x] = float_to_bf16(0.3f * dist(rng));
+  std::vector<uint16_t> q(size_t(b) * s_q * h_q * d);
+  for (auto& v : q) v = float_to_bf16(dist(rng));
+
+  DenseDecodeParams p;
+  p.b = b, p.s_q = s_q, p.h_q = h_q, p.h_k = h_k, p.d_qk = d;
+  p.page_block_size = page, p.num_blocks = num_pages, p.max_blocks_per_seq = max_blocks;
+  p.softmax_scale = 1.f / 24.f, p.causal = true;
+  p.q_stride_b = s_q * h_q * d, p.q_stride_s = h_q * d, p.q_stride_h = d;
+  p.k_stride_block = page * d, p.k_stride_token = d, p.k_stride_head = d;
+  p.block_table_stride = max_blocks;
+  p.o.lse_stride_b = s_q * h_q, p.o.lse_stride_s = h_q, p.o.lse_stride_h = 1;
+  std::vector<int32_t> rows(parts * kPlanRowInts), ns(b + 1);
+  DecodePlanParams pp = dense_plan_params(p);
+  pp.num_sm_parts = parts, pp.seqlens_k = lens.data();
+  pp.tile_scheduler_metadata = rows.data(), pp.num_splits = ns.data();
+  plan_decode_host(pp);
+  ASSERT_GT(ns[b], b) << "the test needs split requests beside whole ones";
+  int whole = 0;
+  for (int i = 0; i < b; ++i) whole += ns[i + 1] - ns[i] == 1;
+  ASSERT_GT(whole, 0) << "the test needs whole requests beside split ones";
+  const size_t acc_rows = size_t(b + parts) * s_q * h_q, n_rows = size_t(b) * s_q * h_q;
+
+  // Host reference into a contiguous out.
+  std::vector<uint16_t> want(n_rows * kHeadDimV);
+  std::vector<float> want_lse(n_rows), acc(acc_rows * kHeadDimV), acc_lse(acc_rows);
+  {
+    DenseDecodeParams h = p;
+    h.q = q.data(), h.k_cache = cache.data(), h.block_table = table.data(), h.seqlens_k = lens.data();
+    h.o.out = want.data(), h.o.lse = want_lse.data();
+    h.o.out_stride_b = s_q * h_q * kHeadDimV, h.o.out_stride_s = h_q * kHeadDimV, h.o.out_stride_h = kHeadDimV;
+    h.split = {parts, rows.data(), ns.data(), acc.data(), acc_lse.data()};
+    reference::dense_decode(h);
+  }
+
+  DenseDecodeParams dev = p;
+  dev.q = to_device(q), dev.k_cache = to_device(cache), dev.block_table = to_device(table);
+  dev.seqlens_k = to_device(lens);
+  dev.split = {parts, to_device(rows), to_device(ns), to_device(std::vector<float>(acc.size(), NAN)),
+               to_device(std::vector<float>(acc_rows, NAN))};
+  dev.o.lse = to_device(std::vector<float>(n_rows, NAN));
+  const uint16_t fill = 0x7f7f;  // a finite bf16 no output takes
+  // Runs the call into an out of row stride `stride_h` starting `offset` elements into its buffer;
+  // returns the whole buffer.
+  auto run = [&](int64_t stride_h, int offset) {
+    const size_t n = size_t(offset) + n_rows * size_t(stride_h);
+    uint16_t* buf = to_device(std::vector<uint16_t>(n, fill));
+    DenseDecodeParams c = dev;
+    c.o.out = buf + offset;
+    c.o.out_stride_h = stride_h, c.o.out_stride_s = h_q * stride_h, c.o.out_stride_b = s_q * h_q * stride_h;
+    EXPECT_EQ(cuda::dense_decode(c, nullptr), cudaSuccess);
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    auto host = to_host(buf, n);
+    cudaFree(buf);
+    return host;
+  };
+  const std::vector<uint16_t> aligned = run(kHeadDimV, 0);
+  int failures = 0;
+  for (size_t r = 0; r < n_rows && failures < 20; ++r)
+    for (int x = 0; x < kHeadDimV; ++x) {
+      const float w = bf16_to_float(want[r * kHeadDimV + x]), g = bf16_to_float(aligned[r * kHeadDimV + x]);
+      const bool ok = std::fabs(g - w) <= 1e-4f + std::fabs(w) / 128;  // false for NaN
+      EXPECT_TRUE(ok) << "row " << r << " col " << x << ": " << g << " against " << w;
+      failures += !ok;
+    }
+  for (auto [stride_h, offset] : {std::tuple{int64_t(kHeadDimV), 2}, std::tuple{int64_t(kHeadDimV + 2), 0},
+                                  std::tuple{int64_t(kHeadDimV + 4), 6}}) {
+    const std::vector<uint16_t> got = run(stride_h, offset);
+    for (size_t r = 0; r < n_rows; ++r) {
+      const uint16_t* row = got.data() + offset + r * stride_h;
+      ASSERT_TRUE(std::equal(row, row + kHeadDimV, aligned.data() + r * kHeadDimV))
+          << "row " << r << ", stride " << stride_h << ", offset " << offset;
+      ASSERT_TRUE(std::all_of(row + kHeadDimV, row + stride_h, [&](uint16_t v) { return v == fill; }))
+          << "written past row " << r << ", stride " << stride_h;
+    }
+    ASSERT_TRUE(std::all_of(got.data(), got.data() + offset, [&](uint16_t v) { return v == fill; }));
+  }
+  // Rows off 4 bytes cannot take the pairs' stores: an error naming out, before anything runs.
+  for (auto [stride_h, offset] : {std::tuple{int64_t(kHeadDimV), 1}, std::tuple{int64_t(kHeadDimV + 1), 0}}) {
+    DenseDecodeParams c = dev;
+    c.o.out = static_cast<uint16_t*>(const_cast<void*>(dev.q)) + offset;  // never written: the call is refused
+    c.o.out_stride_h = stride_h, c.o.out_stride_s = h_q * stride_h, c.o.out_stride_b = s_q * h_q * stride_h;
+    try {
+      (void)cuda::dense_decode(c, nullptr);
+      ADD_FAILURE() << "an out off 4 bytes must be refused (stride " << stride_h << ", offset " << offset << ")";
+    } catch (const Error& e) {
+      EXPECT_EQ(std::string(e.what()).rfind("out: ", 0), 0u) << e.what();
+    }
+  }
+  for (const void* ptr : {dev.q, dev.k_cache, (const void*)dev.block_table, (const void*)dev.seqlens_k,
+                          (const void*)dev.split.tile_scheduler_metadata, (const void*)dev.split.num_splits,
+                          (const void*)dev.split.o_accum, (const void*)dev.split.lse_accum, (const void*)dev.o.lse})
+    cudaFree(const_cast<void*>(ptr));
 }
 
 // On a Hopper GPU dense decode over 64-token pages runs the sm90 kernel; what it lacks (FP8,
