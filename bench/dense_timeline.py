@@ -10,6 +10,8 @@ Each call runs the case `--calls` times (the stamps are the last launch's) and p
 CTAs that ran a piece, the median and the 10th / 90th percentiles of each phase, in µs:
 - entry: a CTA's entry after the launch's first;
 - wait: from entry past the dependency wait (and the plan, with a fresh one);
+- first stage: from there to the start of the first piece (its Q and first blocks staged, in ours;
+  FlashMLA waits for its Q inside the piece);
 - piece k, pairs: from the piece's start to the end of its pairs;
 - piece k, epilogue: from the end of its pairs to the end of its epilogue;
 - change k: from the end of piece k's epilogue to the start of piece k + 1;
@@ -51,7 +53,7 @@ def phases(rows):
     if not live:
         return {}
     t0 = min(r[1] for r in live)
-    out = {"entry": [], "wait": [], "end": []}
+    out = {"entry": [], "wait": [], "first stage": [], "end": []}
     for r in live:
         us = lambda a, b: (r[b] - r[a]) / 1000.0  # noqa: E731
         out["entry"].append((r[1] - t0) / 1000.0)
@@ -61,6 +63,8 @@ def phases(rows):
             start, pairs, epi = 3 + 3 * k, 4 + 3 * k, 5 + 3 * k
             if not (r[start] and r[pairs] and r[epi]):
                 break
+            if k == 0:
+                out["first stage"].append(us(2, start))
             out.setdefault(f"piece {k}, pairs", []).append(us(start, pairs))
             out.setdefault(f"piece {k}, epilogue", []).append(us(pairs, epi))
             if k > 0:
@@ -74,6 +78,8 @@ def summary(name, rows):
     ph = phases(rows)
     print(f"# {name}: {sum(1 for r in rows if r[0] > 0)} CTAs with pieces of {len(rows)}")
     for key, vals in ph.items():
+        if not vals:
+            continue
         vals = sorted(vals)
         q = lambda f: vals[min(len(vals) - 1, int(f * len(vals)))]  # noqa: E731
         print(f"{key:22s} median {statistics.median(vals):8.2f}   p10 {q(0.1):8.2f}   p90 {q(0.9):8.2f}   (n={len(vals)})")

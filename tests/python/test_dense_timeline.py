@@ -25,6 +25,7 @@ def test_phases_of_two_ctas():
     ph = T.phases(rows)
     assert ph["entry"] == [0.0, 2.0]
     assert ph["wait"] == [2.0, 1.0]
+    assert ph["first stage"] == [2.0, 2.0]
     assert ph["piece 0, pairs"] == [20.0, 40.0]
     assert ph["piece 0, epilogue"] == [2.0, 4.0]
     assert ph["change 0"] == [1.0]
@@ -37,6 +38,7 @@ def test_a_piece_missing_a_stamp_ends_the_ctas_phases():
     # More pieces than the table holds stamps for, or a launch cut short: phases stop at the last
     # complete piece, and the CTA's end is that piece's epilogue end.
     ph = T.phases([row(3, 100, 1_000, 2_000, 12_000, 13_000, 14_000, 0, 0)])
+    assert ph["first stage"] == [1.0]
     assert ph["piece 0, pairs"] == [10.0]
     assert "piece 1, pairs" not in ph and "change 0" not in ph
     assert ph["end"] == [12.9]

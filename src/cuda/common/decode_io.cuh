@@ -43,10 +43,10 @@ __device__ __forceinline__ bool rows_16b_aligned(const DecodeOutput& o, int elem
   return (bits & 15u) == 0;
 }
 
-// A 4 x 4 transpose of 32-bit words within a quad: lane t's word j becomes lane j's word t. Given
-// the packed pairs of four n8 tiles (lane t: columns 8 j + 2 t, + 1 of tile j), lane t then holds
-// the eight columns of tile t. `mask`: the quad's lanes (quads of a warp may skip their row).
-__device__ __forceinline__ void quad_transpose(uint32_t (&w)[4], int t4, unsigned mask) {
+// A 4 x 4 transpose of 32-bit words within each quad of a warp (every lane calls it): lane t's
+// word j becomes lane j's word t. Given the packed pairs of four n8 tiles (lane t: columns 8 j + 2 t,
+// + 1 of tile j), lane t then holds the eight columns of tile t.
+__device__ __forceinline__ void quad_transpose(uint32_t (&w)[4], int t4) {
 #pragma unroll
   for (int bit = 2; bit >= 1; bit >>= 1) {
     // Swap bit `bit` of (lane, word): each lane gives away the words whose bit differs from its own.
@@ -54,7 +54,7 @@ __device__ __forceinline__ void quad_transpose(uint32_t (&w)[4], int t4, unsigne
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       if (j & bit) continue;
-      const uint32_t got = __shfl_xor_sync(mask, hi ? w[j] : w[j | bit], bit);
+      const uint32_t got = __shfl_xor_sync(0xffffffffu, hi ? w[j] : w[j | bit], bit);
       if (hi) w[j] = got;
       else w[j | bit] = got;
     }
@@ -63,18 +63,18 @@ __device__ __forceinline__ void quad_transpose(uint32_t (&w)[4], int t4, unsigne
 
 // Writes this thread's 2 * NTiles columns of output row (s, h) of request `req`. vals(n) gives
 // the unnormalised pair of n8 tile n; m (log2 domain) and l are the row's running max and sum.
-// kQuadStores: the four lanes of a quad call it together for one row (no lane of the quad skips
-// it), and where out's rows start on 16 bytes each lane stores whole tiles with 16-byte stores
-// after a transpose in the quad, so that a warp's store covers whole 32-byte sectors (the pairs
-// alone write half sectors, a quarter of the store width).
+// kQuadStores: every lane of the warp calls it (a quad per row; `live` false for a row past the
+// tile's, which writes nothing), and where out's rows start on 16 bytes each lane stores whole
+// tiles with 16-byte stores after a transpose in the quad, so that a warp's store covers whole
+// 32-byte sectors (the pairs alone write half sectors, a quarter of the store width).
 template <int NTiles, typename OutT, bool kQuadStores = false, typename Vals>
 __device__ __forceinline__ void store_row(const DecodeOutput& o, const DecodeSplit& split, int b, int s_q, int h_q,
                                           int req, bool is_split, int split_index, int s, int h, int col_base, int t4,
                                           const Vals& vals, float m, float l, float v_scale, float sink,
-                                          bool write_stats) {
+                                          bool write_stats, bool live = true) {
   if (is_split) {
     // Split rows live in [0, b + num_sm_parts); a foreign plan must not write outside them.
-    if (split_index < 0 || split_index >= b + split.num_sm_parts) return;
+    if (!live || split_index < 0 || split_index >= b + split.num_sm_parts) return;
     const int64_t row = (int64_t(split_index) * s_q + s) * h_q + h;
     const float inv = l > 0.f ? v_scale / l : 0.f;
     float* dst = split.o_accum + row * kHeadDimV + col_base + 2 * t4;
@@ -89,7 +89,6 @@ __device__ __forceinline__ void store_row(const DecodeOutput& o, const DecodeSpl
     OutT* row_out = static_cast<OutT*>(o.out) + req * o.out_stride_b + s * o.out_stride_s + h * o.out_stride_h +
                     col_base;
     if (kQuadStores && NTiles % 4 == 0 && rows_16b_aligned(o, int(sizeof(OutT)))) {
-      const unsigned quad = 0xfu << (threadIdx.x % 32 / 4 * 4);
 #pragma unroll
       for (int n0 = 0; n0 < NTiles; n0 += 4) {
         uint32_t w[4];
@@ -98,17 +97,17 @@ __device__ __forceinline__ void store_row(const DecodeOutput& o, const DecodeSpl
           const float2 v = vals(n0 + j);
           w[j] = ptx::pack2<OutT>(v.x * scale, v.y * scale);
         }
-        quad_transpose(w, t4, quad);
-        *reinterpret_cast<uint4*>(row_out + (n0 + t4) * 8) = make_uint4(w[0], w[1], w[2], w[3]);
+        quad_transpose(w, t4);
+        if (live) *reinterpret_cast<uint4*>(row_out + (n0 + t4) * 8) = make_uint4(w[0], w[1], w[2], w[3]);
       }
-    } else {
+    } else if (live) {
 #pragma unroll
       for (int n = 0; n < NTiles; ++n) {
         const float2 v = vals(n);
         store_pair(row_out + n * 8 + 2 * t4, v.x * scale, v.y * scale);
       }
     }
-    if (write_stats)
+    if (write_stats && live)
       o.lse[req * o.lse_stride_b + s * o.lse_stride_s + h * o.lse_stride_h] =
           l > 0.f ? (log2f(l) + m) * kLn2 : INFINITY;
   }

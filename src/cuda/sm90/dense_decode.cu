@@ -500,13 +500,13 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_kernel(const __grid_
     auto store_piece = [&] {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
+        // Every lane takes part (the stores transpose within quads); rows past the tile's write nothing.
         const int row = row_base + rr[h];
-        if (row >= num_rows) continue;
         const int s = row / hpg, head = group * hpg + row % hpg;
         decode_io::store_row<kM64OTiles, T, true>(p.o, p.split, p.b, p.s_q, p.h_q, i, pc.is_split, pc.split_index, s, head,
                                           wg * 256, t4,
                                           [&](int n) { return make_float2(o[4 * n + 2 * h], o[4 * n + 2 * h + 1]); },
-                                          m_prev[h], l[h], 1.f, -INFINITY, wg == 0 && t4 == 0);
+                                          m_prev[h], l[h], 1.f, -INFINITY, wg == 0 && t4 == 0, row < num_rows);
       }
     };
     // The next piece's Q and first blocks go out before this piece's stores, which then overlap

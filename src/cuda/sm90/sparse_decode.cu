@@ -253,10 +253,12 @@ __device__ __forceinline__ void consume(const SparseDecodeParams& p, Smem<Sparse
     named_sync(kBarEpilogue, kConsumers);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
+      // By pairs: the quad-transposed 16-byte stores (decode_io::store_row) cost these consumers,
+      // at 168 registers, spills.
       const int head = row_base + rr[h];
       if (head >= p.h_q) continue;
       const float sink = p.attn_sink ? p.attn_sink[head] : -INFINITY;
-      decode_io::store_row<kM64OTiles, __nv_bfloat16, true>(
+      decode_io::store_row<kM64OTiles, __nv_bfloat16>(
           p.o, p.split, p.b, p.s_q, p.h_q, i, pc.is_split, pc.split_index, s, head, kWg * 256, t4,
           [&](int n) { return make_float2(o[4 * n + 2 * h], o[4 * n + 2 * h + 1]); }, sm.m_final[pk][rr[h]],
           sm.l_final[pk][rr[h]], 1.f, sink, kWg == 0 && t4 == 0);
