@@ -34,16 +34,18 @@
 //     runs before it); the kernel is a programmatic dependent of the kernel before it and the
 //     combine kernel one of it;
 //   * epilogue: whole pieces write out/lse, split pieces fp32 partials, from one call site behind
-//     the next piece's Q copies (each inlined copy of the stores is code a piece runs once).
+//     the next piece's Q copies (each inlined copy of the stores is code a piece runs once); out's
+//     rows 16 bytes a lane after a transpose within each quad, so that a warp's store covers whole
+//     sectors (decode_io::store_row), fp32 partials by 8-byte pairs (whole sectors already).
 // Tile sizes: BLOCK_M 64 rows, 64 keys per block, 64 x 64 TMA tiles (128-byte swizzle), two key
 // buffers; wgmma m64n64k16 (S, both operands in shared memory, one group per tile) and m64n256k16
 // (P V: WG0's own P from registers, every other P from shared memory, stored by stmatrix.x4).
-// Reached on an H200 (bench/RESULTS.md, twentieth session, whole API calls beside FlashMLA in one
-// run): b=128 h_q=128 s_k=4096 varlen 256.8 us (FlashMLA 259.0, 1.01x; with both plans reused
-// FlashMLA's attention kernel is 4% ahead, 223.4 against 232.6 us), s_q=2 causal s_k=8192 880.8
-// (865.8, 0.98x), b=2 s_k=65536 75.6 (89.0, 1.18x), b=1..8 short and long 1.09-1.50x; h_q=16 b=128
-// s_k=8192 288.1 us, 98.5% of the copy ceiling (98.4% on a second machine; 96.4-97.3% alone
-// with the plan reused, sixteenth and fifteenth sessions). The largest steps (each measured in
+// Reached on an H200 (bench/RESULTS.md, twenty-second session, whole API calls beside FlashMLA in
+// one run, fresh plans): b=128 h_q=128 s_k=4096 varlen 258.2 us (FlashMLA 263.5, 1.02x; 0.97x with
+// both plans reused), s_q=2 causal s_k=8192 907.6 (900.2, 0.99x), b=128 s_k=512 59.5 (67.4, 1.13x;
+// 0.89x reused), b=2 s_k=65536 75.7 (89.9, 1.19x), b=1..8 short and long 1.09-1.48x; h_q=16 b=128
+// s_k=8192 296.9 us, 95.5% of the copy ceiling (97.9% with the plan reused; 98.5% in the twentieth
+// session). The largest steps (each measured in
 // bench/RESULTS.md): exp2 in one MUFU 356 -> 326 us; constant-offset descriptors, one-compare masks
 // and vote-skipped rescales 326 -> 314; mask-free steady pairs 284 -> 270; S committed one group per
 // tile 268.5 -> 262.0. Against FlashMLA's kernel (ncu, tenth session): more fixed-latency stalls
@@ -57,7 +59,12 @@
 // piece's last pairs was slower too (b=128 s_k=512 56.2 -> 58.5 us). With plans reused this kernel
 // trails FlashMLA's by about 9 us at b=128 whatever the blocks per CTA: 50.5 against 41.2 us at
 // s_k=512 (two 8-block pieces per CTA), 232.6 against 223.4 at varlen (118 blocks), where calls of
-// one piece per CTA trail by 1 us: the gap comes at a change of piece (twenty-first session).
+// one piece per CTA trail by 1 us: the gap comes at a change of piece (twenty-first session). Per-CTA
+// timelines (MLA_DENSE_TIMELINE) put most of it in the epilogue's bf16 stores, by 4-byte pairs then:
+// the 16-byte stores took s_k=512 with plans reused from 55.6 to 49.2 us. Left: the change itself
+// (stores, then the next Q and first blocks landing: 5.8 against 2.5 us) and, with a fresh plan, the
+// in-kernel plan (7.2 us). Issuing the next piece's first blocks after the stores or after its Q
+// had landed was level (twenty-second session).
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <cuda_runtime.h>
