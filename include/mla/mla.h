@@ -28,7 +28,8 @@ const char* implementation_name(OpKind op, uint32_t features);
 // supports throws mla::Error naming the missing features. The params are checked first (mla/validate.h:
 // sizes, dtypes, formats, null pointers, the plan and split workspace), each bad one an mla::Error
 // naming it; device data (lengths, indices, block tables) cannot be checked without a host sync.
-// Alignment: q, caches and their strides at 16 bytes.
+// Alignment: q, caches and their strides at 16 bytes; out at 4 bytes with even strides (an error
+// naming out otherwise; rows on 16 bytes take the sm90 kernels' wider stores).
 cudaError_t dense_decode(const DenseDecodeParams& params, cudaStream_t stream);
 cudaError_t sparse_decode(const SparseDecodeParams& params, cudaStream_t stream);
 
