@@ -1,6 +1,7 @@
 #include "mla/validate.h"
 
 #include <cmath>
+#include <cstdint>
 #include <utility>
 
 #include "mla/formats.h"
@@ -87,6 +88,16 @@ void validate(const SparseDecodeParams& p) {
   } else {
     MLA_CHECK(!p.extra_topk_length, "extra_topk_length needs extra_kv and extra_indices");
   }
+}
+
+void validate_device_output(const DecodeOutput& o, int b, int s_q, int h_q) {
+  const uintptr_t address = reinterpret_cast<uintptr_t>(o.out);
+  MLA_CHECK(address % 4 == 0, "out: must be 4-byte aligned on the GPU, got an address of ", address % 4,
+            " mod 4");
+  const bool even = (b <= 1 || o.out_stride_b % 2 == 0) && (s_q <= 1 || o.out_stride_s % 2 == 0) &&
+                    (h_q <= 1 || o.out_stride_h % 2 == 0);
+  MLA_CHECK(even, "out: strides must be even on the GPU, got (", o.out_stride_b, ", ", o.out_stride_s, ", ",
+            o.out_stride_h, ")");
 }
 
 void validate_split(const DecodeSplit& s) {

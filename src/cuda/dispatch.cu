@@ -119,19 +119,13 @@ int parts_of(const DenseDecodeParams& p) { return p.split.num_sm_parts; }
 int parts_of(const SparseDecodeParams& p) { return p.split.num_sm_parts; }
 int parts_of(const SparsePrefillParams&) { return 0; }
 
-// Every CUDA kernel writes out by pairs of 16-bit values (4-byte stores): rows must start on 4 bytes.
-void check_device_output(const DecodeOutput& o) {
-  const uintptr_t address = reinterpret_cast<uintptr_t>(o.out);
-  MLA_CHECK(address % 4 == 0, "out: must be 4-byte aligned on the GPU, got an address of ", address % 4,
-            " mod 4");
-  MLA_CHECK(o.out_stride_b % 2 == 0 && o.out_stride_s % 2 == 0 && o.out_stride_h % 2 == 0,
-            "out: strides must be even on the GPU, got (", o.out_stride_b, ", ", o.out_stride_s, ", ",
-            o.out_stride_h, ")");
-}
-
 // The host-side checks of the C++ API (mla::Error naming the argument), before anything launches.
-void validate_call(const DenseDecodeParams& p) { validate(p), validate_split(p.split), check_device_output(p.o); }
-void validate_call(const SparseDecodeParams& p) { validate(p), validate_split(p.split), check_device_output(p.o); }
+void validate_call(const DenseDecodeParams& p) {
+  validate(p), validate_split(p.split), validate_device_output(p.o, p.b, p.s_q, p.h_q);
+}
+void validate_call(const SparseDecodeParams& p) {
+  validate(p), validate_split(p.split), validate_device_output(p.o, p.b, p.s_q, p.h_q);
+}
 void validate_call(const SparsePrefillParams& p) { validate(p); }
 
 template <typename Params>

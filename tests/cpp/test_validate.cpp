@@ -212,6 +212,30 @@ TEST(Validate, PrefillNullPointers) {
   expect_error([&] { validate(p); }, "must not be null");
 }
 
+// The GPU kernels store out by 4-byte pairs: an out off 4 bytes, or with an odd stride along a
+// dimension of extent more than 1, is refused naming out; a stride the call never steps along may
+// be anything.
+TEST(Validate, DeviceOutputRowsOnFourBytes) {
+  alignas(16) static uint16_t buf[64];
+  DecodeOutput o;
+  o.out = buf;
+  o.out_stride_b = 2 * 128 * 512, o.out_stride_s = 128 * 512, o.out_stride_h = 512;
+  EXPECT_NO_THROW(validate_device_output(o, 2, 2, 128));
+  o.out_stride_h = 514;  // rows off 16 bytes but on 4: the kernels' pairs path
+  EXPECT_NO_THROW(validate_device_output(o, 2, 2, 128));
+  o.out = buf + 1;
+  expect_error([&] { validate_device_output(o, 2, 2, 128); }, "out: must be 4-byte aligned");
+  o.out = buf + 2;
+  EXPECT_NO_THROW(validate_device_output(o, 2, 2, 128));
+  for (int dim = 0; dim < 3; ++dim) {
+    DecodeOutput odd = o;
+    (dim == 0 ? odd.out_stride_b : dim == 1 ? odd.out_stride_s : odd.out_stride_h) += 1;
+    expect_error([&] { validate_device_output(odd, 2, 2, 128); }, "out: strides must be even");
+    // The same stride along a dimension of extent 1 is never stepped along.
+    EXPECT_NO_THROW(validate_device_output(odd, dim == 0 ? 1 : 2, dim == 1 ? 1 : 2, dim == 2 ? 1 : 128));
+  }
+}
+
 TEST(Validate, PlanPartIndexInRange) {
   const std::vector<int32_t> lens = {1000, 64, 0, 4096};
   std::vector<int32_t> rows(8 * kPlanRowInts), num_splits(5);
