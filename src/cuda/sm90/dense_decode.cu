@@ -45,26 +45,26 @@
 // both plans reused), s_q=2 causal s_k=8192 907.6 (900.2, 0.99x), b=128 s_k=512 59.5 (67.4, 1.13x;
 // 0.89x reused), b=2 s_k=65536 75.7 (89.9, 1.19x), b=1..8 short and long 1.09-1.48x; h_q=16 b=128
 // s_k=8192 296.9 us, 95.5% of the copy ceiling (97.9% with the plan reused; 98.5% in the twentieth
-// session). The largest steps (each measured in
-// bench/RESULTS.md): exp2 in one MUFU 356 -> 326 us; constant-offset descriptors, one-compare masks
-// and vote-skipped rescales 326 -> 314; mask-free steady pairs 284 -> 270; S committed one group per
-// tile 268.5 -> 262.0. Against FlashMLA's kernel (ncu, tenth session): more fixed-latency stalls
-// (MUFU sequences, index and mask arithmetic), warpgroup waits and epilogue stores; SM active cycles
-// vary +-7%. Not the bound: L2-to-SM bandwidth. Row tiles of one part in a cluster of two, each key
-// tile multicast into both (half the L2 traffic), were no faster even without the cross-CTA gate
-// that makes the reuse of a buffer safe (eighteenth session). Merging a split request's pieces in
-// this kernel (the last CTA to finish one of them) rather than in the combine kernel was slower in
-// every case: one SM reads the tile's partials, and the counters' memset breaks the chain of
-// dependent launches (twentieth session). Loading the next piece's first blocks and Q during a
-// piece's last pairs was slower too (b=128 s_k=512 56.2 -> 58.5 us). With plans reused this kernel
-// trails FlashMLA's by about 9 us at b=128 whatever the blocks per CTA: 50.5 against 41.2 us at
-// s_k=512 (two 8-block pieces per CTA), 232.6 against 223.4 at varlen (118 blocks), where calls of
-// one piece per CTA trail by 1 us: the gap comes at a change of piece (twenty-first session). Per-CTA
-// timelines (MLA_DENSE_TIMELINE) put most of it in the epilogue's bf16 stores, by 4-byte pairs then:
-// the 16-byte stores took s_k=512 with plans reused from 55.6 to 49.2 us. Left: the change itself
-// (stores, then the next Q and first blocks landing: 5.8 against 2.5 us) and, with a fresh plan, the
-// in-kernel plan (7.2 us). Issuing the next piece's first blocks after the stores or after its Q
-// had landed was level (twenty-second session).
+// session). The largest steps (each measured in bench/RESULTS.md): exp2 in one MUFU 356 -> 326 us;
+// constant-offset descriptors, one-compare masks and vote-skipped rescales 326 -> 314; mask-free
+// steady pairs 284 -> 270; S committed one group per tile 268.5 -> 262.0. Against FlashMLA's kernel
+// (ncu, tenth session): more fixed-latency stalls (MUFU sequences, index and mask arithmetic),
+// warpgroup waits and epilogue stores; SM active cycles vary +-7%. Not the bound: L2-to-SM
+// bandwidth. Row tiles of one part in a cluster of two, each key tile multicast into both (half the
+// L2 traffic), were no faster even without the cross-CTA gate that makes the reuse of a buffer safe
+// (eighteenth session). Merging a split request's pieces in this kernel (the last CTA to finish one
+// of them) rather than in the combine kernel was slower in every case: one SM reads the tile's
+// partials, and the counters' memset breaks the chain of dependent launches (twentieth session).
+// Loading the next piece's first blocks and Q during a piece's last pairs was slower too (b=128
+// s_k=512 56.2 -> 58.5 us). With plans reused this kernel trails FlashMLA's by about 9 us at b=128
+// whatever the blocks per CTA: 50.5 against 41.2 us at s_k=512 (two 8-block pieces per CTA), 232.6
+// against 223.4 at varlen (118 blocks), where calls of one piece per CTA trail by 1 us: the gap
+// comes at a change of piece (twenty-first session). Per-CTA timelines (MLA_DENSE_TIMELINE) put
+// most of it in the epilogue's bf16 stores, by 4-byte pairs then: the 16-byte stores took s_k=512
+// with plans reused from 55.6 to 49.2 us. Left: the change itself (stores, then the next Q and
+// first blocks landing: 5.8 against 2.5 us) and, with a fresh plan, the in-kernel plan (7.2 us).
+// Issuing the next piece's first blocks after the stores or after its Q had landed was level
+// (twenty-second session).
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <cuda_runtime.h>
@@ -510,10 +510,10 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_kernel(const __grid_
         // Every lane takes part (the stores transpose within quads); rows past the tile's write nothing.
         const int row = row_base + rr[h];
         const int s = row / hpg, head = group * hpg + row % hpg;
-        decode_io::store_row<kM64OTiles, T, true>(p.o, p.split, p.b, p.s_q, p.h_q, i, pc.is_split, pc.split_index, s, head,
-                                          wg * 256, t4,
-                                          [&](int n) { return make_float2(o[4 * n + 2 * h], o[4 * n + 2 * h + 1]); },
-                                          m_prev[h], l[h], 1.f, -INFINITY, wg == 0 && t4 == 0, row < num_rows);
+        decode_io::store_row<kM64OTiles, T, true>(
+            p.o, p.split, p.b, p.s_q, p.h_q, i, pc.is_split, pc.split_index, s, head, wg * 256, t4,
+            [&](int n) { return make_float2(o[4 * n + 2 * h], o[4 * n + 2 * h + 1]); }, m_prev[h], l[h], 1.f,
+            -INFINITY, wg == 0 && t4 == 0, row < num_rows);
       }
     };
     // The next piece's Q and first blocks go out before this piece's stores, which then overlap
