@@ -36,11 +36,12 @@ __device__ __forceinline__ void store_pair(T* dst, float a, float b) {
   *reinterpret_cast<uint32_t*>(dst) = ptx::pack2<T>(a, b);
 }
 
-// Whether every row of `out` starts on 16 bytes (the same answer in every thread of a call).
-__device__ __forceinline__ bool rows_16b_aligned(const DecodeOutput& o, int elem_bytes) {
-  const uint64_t bits = reinterpret_cast<uintptr_t>(o.out) |
-                        uint64_t(o.out_stride_b | o.out_stride_s | o.out_stride_h) * uint64_t(elem_bytes);
-  return (bits & 15u) == 0;
+// Whether every row of a [b, s, h, d] tensor of 16-bit elements with these strides (in elements)
+// starts 16-byte aligned (the same answer in every thread of a call): Q for the kernels' 16-byte
+// copies, out for store_row's 16-byte stores.
+__device__ __forceinline__ bool rows_16b_aligned(const void* base, int64_t stride_b, int64_t stride_s,
+                                                 int64_t stride_h) {
+  return ((reinterpret_cast<uintptr_t>(base) | uintptr_t((stride_b | stride_s | stride_h) * 2)) & 15) == 0;
 }
 
 // A 4 x 4 transpose of 32-bit words within each quad of a warp (every lane calls it): lane t's
@@ -88,7 +89,8 @@ __device__ __forceinline__ void store_row(const DecodeOutput& o, const DecodeSpl
     const float scale = l > 0.f ? v_scale / (l + exp2f(sink * kLog2e - m)) : 0.f;
     OutT* row_out = static_cast<OutT*>(o.out) + req * o.out_stride_b + s * o.out_stride_s + h * o.out_stride_h +
                     col_base;
-    if (kQuadStores && NTiles % 4 == 0 && rows_16b_aligned(o, int(sizeof(OutT)))) {
+    static_assert(sizeof(OutT) == 2, "out holds 16-bit elements");
+    if (kQuadStores && NTiles % 4 == 0 && rows_16b_aligned(o.out, o.out_stride_b, o.out_stride_s, o.out_stride_h)) {
 #pragma unroll
       for (int n0 = 0; n0 < NTiles; n0 += 4) {
         uint32_t w[4];

@@ -83,12 +83,7 @@ __device__ __forceinline__ int dense_page(const DenseDecodeParams& p, const int3
   return pg < 0 || pg >= p.num_blocks ? p.num_blocks : pg;
 }
 
-// Whether every row of a [b, s, h, d] tensor of 16-bit elements with these strides (in elements)
-// starts 16-byte aligned, as stage_rows' copies need.
-__device__ __forceinline__ bool rows_16b_aligned(const void* base, int64_t stride_b, int64_t stride_s,
-                                                 int64_t stride_h) {
-  return ((reinterpret_cast<uintptr_t>(base) | uintptr_t((stride_b | stride_s | stride_h) * 2)) & 15) == 0;
-}
+using decode_io::rows_16b_aligned;  // stage_rows' 16-byte copies need it of Q
 
 // kRows rows of D elements into kRows x 64 tiles (tile t at q_tiles + t * kRows * 128, 128-byte
 // swizzle) by the kThreads threads [0, kThreads): row_src(r) is row r's first element, or nullptr
