@@ -126,6 +126,44 @@ def test_many_pieces_per_part(h_q, s_q, causal, aligned_q, impl, monkeypatch):
     check(q, paged, causal, 576 ** -0.5, impl, monkeypatch)
 
 
+def strided_query(values, row, token, batch, offset):
+    """`values` [b, s_q, h_q, d] as a view with the given element strides and storage offset into a
+    NaN-filled buffer, so that a row read from the wrong place shows."""
+    b, s_q, h_q, d = values.shape
+    span = offset + (b - 1) * batch + (s_q - 1) * token + (h_q - 1) * row + d
+    big = torch.full((span,), float("nan"), dtype=values.dtype)
+    q = big.as_strided(values.shape, (batch, token, row, 1), offset)
+    q.copy_(values)
+    return q
+
+
+# (s_q, h_q, h_k, causal, layout). "rows": rows 584 elements apart, batches 64 more than their
+# rows, 16 bytes into the buffer, so the 64-row kernel's Q tensor map carries Q's own strides
+# (h_k = 2 with 32 rows per KV head: a box reaches past the head group's rows, which load as zeros).
+# "tokens": each token's heads 8 rows short of the next token's, so that rows are not evenly strided
+# and the kernel copies them one by one.
+QUERY_LAYOUTS = [(1, 128, 1, False, "rows"), (2, 64, 1, True, "rows"), (1, 64, 2, False, "rows"),
+                 (2, 32, 2, True, "rows"), (1, 16, 1, False, "rows"), (2, 128, 1, True, "tokens"),
+                 (1, 48, 2, False, "tokens")]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("s_q,h_q,h_k,causal,layout", QUERY_LAYOUTS,
+                         ids=[f"sq{c[0]}_hq{c[1]}_hk{c[2]}_{c[4]}" for c in QUERY_LAYOUTS])
+def test_query_layouts(s_q, h_q, h_k, causal, layout, impl, monkeypatch):
+    """Strided queries, across many pieces per part (each CTA loads Q again at every change of
+    piece) and a request split across parts."""
+    cycle = [0, 1, 64, 65, 129, 200, 300]
+    seqlens = [cycle[(3 * i) % len(cycle)] for i in range(40)] + [3000]
+    paged = R.make_dense_paged(seqlens, 64, h_k, 576, torch.bfloat16)
+    values = R.rand((len(seqlens), s_q, h_q, 576), torch.bfloat16)
+    if layout == "rows":
+        q = strided_query(values, 584, h_q * 584, s_q * h_q * 584 + 64, 8)
+    else:
+        q = strided_query(values, 576, (h_q + 8) * 576, s_q * (h_q + 8) * 576, 0)
+    check(q, paged, causal, 576 ** -0.5, impl, monkeypatch)
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("h_q", [16, 64])
 def test_invalid_block_table_entries_are_masked(h_q, impl, monkeypatch):

@@ -16,12 +16,12 @@
 
 namespace mla::cuda::sm90 {
 
-// A plan piece of a dense call, clamped to the request's blocks. Every field is the same in all
-// threads and goes through a shuffle, so the compiler knows it warp-uniform (a wgmma under a branch
 // A dense Hopper kernel's arguments: the cache as a tensor map ([num_blocks, page 64, h_k, D]
-// elements, 64 x 64 boxes) and the call.
+// elements, 64 x 64 boxes), the queries as one where their rows allow it, and the call.
 struct DenseArgs {
   CUtensorMap kmap;
+  CUtensorMap qmap;       // the queries, where q_by_tma (kv_tensor_map.h)
+  bool q_by_tma = false;  // else the kernel copies Q's rows itself (stage_q)
   DenseDecodeParams p;
 };
 
@@ -54,6 +54,8 @@ __device__ __forceinline__ void issue_key_tiles(uint8_t (*tiles)[64 * 128], uint
 }
 #endif  // MLA_SM90A_DEVICE
 
+// A plan piece of a dense call, clamped to the request's blocks. Every field is the same in all
+// threads and goes through a shuffle, so the compiler knows it warp-uniform (a wgmma under a branch
 // it cannot prove uniform gets serialised).
 struct DensePiece {
   int req, len, block_begin, n_blocks;

@@ -4,9 +4,11 @@
 //
 // Schedule (256 threads = two warpgroups, one CTA per (64-row tile, KV head, plan part), a
 // persistent loop over the part's pieces; one CTA per SM):
-//   * Q (64 x D) is copied into shared memory once per piece in the 128-byte swizzle (cp.async), the
-//     piece's first two blocks' TMA loads issued right behind Q's copies; the next piece's Q and
-//     first blocks are staged in a piece's epilogue, whose global stores run before the wait for Q;
+//   * Q (64 x D) comes into shared memory once per piece in the 128-byte swizzle: by TMA, one 64 x 64
+//     box per 64 columns completing on one mbarrier, where its rows are evenly strided (s_q = 1, or
+//     each token's heads right after the token before's), else copied by the threads (cp.async);
+//     the piece's first two blocks' TMA loads go right behind Q; the next piece's Q and first
+//     blocks are staged in a piece's epilogue, whose global stores run while they are in flight;
 //   * keys come in 64-token blocks (one page) through TMA, 64 x 64 tiles completing on one
 //     mbarrier each (L2 promotion of the box's 128-byte rows, kv_tensor_map.h), into two buffers
 //     K0 / K1 (V is the first 512 columns of the same rows);
@@ -34,17 +36,17 @@
 //     runs before it); the kernel is a programmatic dependent of the kernel before it and the
 //     combine kernel one of it;
 //   * epilogue: whole pieces write out/lse, split pieces fp32 partials, from one call site behind
-//     the next piece's Q copies (each inlined copy of the stores is code a piece runs once); out's
+//     the next piece's Q loads (each inlined copy of the stores is code a piece runs once); out's
 //     rows 16 bytes a lane after a transpose within each quad, so that a warp's store covers whole
 //     sectors (decode_io::store_row), fp32 partials by 8-byte pairs (whole sectors already).
 // Tile sizes: BLOCK_M 64 rows, 64 keys per block, 64 x 64 TMA tiles (128-byte swizzle), two key
 // buffers; wgmma m64n64k16 (S, both operands in shared memory, one group per tile) and m64n256k16
 // (P V: WG0's own P from registers, every other P from shared memory, stored by stmatrix.x4).
-// Reached on an H200 (bench/RESULTS.md, twenty-second session, whole API calls beside FlashMLA in
-// one run, fresh plans): b=128 h_q=128 s_k=4096 varlen 258.2 us (FlashMLA 263.5, 1.02x; 0.97x with
-// both plans reused), s_q=2 causal s_k=8192 907.6 (900.2, 0.99x), b=128 s_k=512 59.5 (67.4, 1.13x;
-// 0.89x reused), b=2 s_k=65536 75.7 (89.9, 1.19x), b=1..8 short and long 1.09-1.48x; h_q=16 b=128
-// s_k=8192 296.9 us, 95.5% of the copy ceiling (97.9% with the plan reused; 98.5% in the twentieth
+// Reached on an H200 (bench/RESULTS.md, twenty-third session, whole API calls beside FlashMLA in
+// one run, fresh plans): b=128 h_q=128 s_k=4096 varlen 246.3 us (FlashMLA 257.2, 1.04x; 0.97x with
+// both plans reused), s_q=2 causal s_k=8192 883.7 (884.3, 1.00x), b=128 s_k=512 53.4 (66.8, 1.25x;
+// 0.91x reused), b=2 s_k=65536 75.0 (89.2, 1.19x), b=1..8 short and long 1.10-1.53x; h_q=16 b=128
+// s_k=8192 295.9 us, 95.9% of the copy ceiling (96.5% with the plan reused; 98.5% in the twentieth
 // session). The largest steps (each measured in bench/RESULTS.md): exp2 in one MUFU 356 -> 326 us;
 // constant-offset descriptors, one-compare masks and vote-skipped rescales 326 -> 314; mask-free
 // steady pairs 284 -> 270; S committed one group per tile 268.5 -> 262.0. Against FlashMLA's kernel
@@ -64,7 +66,9 @@
 // with plans reused from 55.6 to 49.2 us. Left: the change itself (stores, then the next Q and
 // first blocks landing: 5.8 against 2.5 us) and, with a fresh plan, the in-kernel plan (7.2 us).
 // Issuing the next piece's first blocks after the stores or after its Q had landed was level
-// (twenty-second session).
+// (twenty-second session). Q by TMA rather than the threads' copies: b=128 s_k=512 59.7 -> 53.3 us
+// fresh, 49.4 -> 48.3 reused; prefetching the next piece's lengths and block-table row into L1 and
+// its Q into L2 at a piece's start gained nothing more (twenty-third session).
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <cuda_runtime.h>
@@ -136,6 +140,7 @@ struct Smem {
   float s1[kBlockM];      // WG1's rescale factor of the pair
   float l[2][kBlockM];    // row sums of each warpgroup, reduced in the epilogue
   uint64_t full[2][kTiles];
+  uint64_t q_full;        // Q's boxes landed (q_by_tma)
   __device__ uint8_t* p(int buf) { return kPInRope ? k[buf][kTiles - 1] : p_own[buf]; }
 };
 
@@ -228,6 +233,7 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_kernel(const __grid_
   if (tid == 0) {
     for (int b = 0; b < 2; ++b)
       for (int t = 0; t < kTiles; ++t) mbar_init(&sm.full[b][t], 1);
+    mbar_init(&sm.q_full, 1);
     fence_barrier_init();
   }
   __syncthreads();
@@ -237,30 +243,45 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_kernel(const __grid_
   uint32_t rounds[2] = {0, 0};  // loads issued into each buffer so far (mbarrier phases)
   const int num_pieces = decode_io::num_pieces(p.split, p.b, part);
   // A piece's Q -> shared memory (swizzled; rows past the tile's live rows zero), with its first two
-  // blocks' loads (both buffers are free) right behind Q's copies: the block-table reads and the
-  // keys' latency overlap Q's, and Q, queued first, is not held up behind 144 KB of keys. Left in
-  // flight (staged_rows_landed() waits): the epilogue of the piece before, which stages a piece,
-  // runs its stores meanwhile.
+  // blocks' loads (both buffers are free) right behind Q's: the block-table reads and the keys'
+  // latency overlap Q's, and Q, queued first, is not held up behind 144 KB of keys. Where Q's rows
+  // are evenly strided (args.q_by_tma) one thread loads Q by TMA, a box per 64 columns completing
+  // on q_full, which the threads wait for (q_landed) just before the piece's first S; otherwise the
+  // threads copy its rows (cp.async), which staged_rows_landed() waits for. Either way the epilogue
+  // of the piece before, which stages the next piece, runs its stores while Q is in flight.
   auto stage_piece = [&](const DensePiece& x) {
     const int32_t* x_table = p.block_table + int64_t(x.req) * p.block_table_stride;
-    stage_q<T, D, kBlockM, kThreads, false>(p, x.req, group, row_base, sm.q[0], tid, [&] {
+    auto first_blocks = [&] {
       if (tid == 0) {
         if (x.n_blocks > 0) load_tiles(0, dense_page(p, x_table, x.block_begin), 0, kTiles);
         if (x.n_blocks > 1) load_tiles(1, dense_page(p, x_table, x.block_begin + 1), 0, kTiles);
       }
-    });
+    };
+    if (args.q_by_tma) {
+      if (tid == 0) {
+        mbar_expect_tx(&sm.q_full, kTiles * kTileBytes);
+        for (int t = 0; t < kTiles; ++t)
+          tma_load_4d(sm.q[t], &args.qmap, &sm.q_full, t * kTileCols, row_base, group, x.req, policy);
+      }
+      first_blocks();
+    } else {
+      stage_q<T, D, kBlockM, kThreads, false>(p, x.req, group, row_base, sm.q[0], tid, first_blocks);
+    }
+  };
+  auto q_landed = [&](int k) {
+    if (args.q_by_tma) mbar_wait(&sm.q_full, uint32_t(k) & 1u);
   };
   DensePiece pc = {};
   if (num_pieces > 0) {
     pc = dense_piece(p, plan, part, 0, kBlockN);
     stage_piece(pc);
-    staged_rows_landed();
+    if (!args.q_by_tma) staged_rows_landed();
   }
   for (int k = 0; k < num_pieces; ++k) {
     const int i = pc.req, len = pc.len, block_begin = pc.block_begin, n_blocks = pc.n_blocks;
     const int32_t* table = p.block_table + int64_t(i) * p.block_table_stride;
     auto page_of = [&](int kb) { return dense_page(p, table, kb); };
-    __syncthreads();  // Q staged, every thread's copies landed
+    __syncthreads();  // Q staged (every thread's copies landed, or q_landed waits for the TMA)
     MLA_TL(3 + 3 * k);
 
     // The last key position each row may see (bottom-right causal for s_q > 1).
@@ -287,6 +308,7 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_kernel(const __grid_
 
     // S of the first pair's blocks; later pairs' S is issued behind the P V of the pair before.
     float s[32];
+    q_landed(k);
     if (wg == 0 || n_blocks > 1) {
       if (n_blocks > wg) {
         qk_issue<T, D>(sm, wg, parity(wg, 0), 0, kTiles, s);
@@ -526,7 +548,7 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_kernel(const __grid_
       stage_piece(nx);
     }
     store_piece();
-    if (more) staged_rows_landed();
+    if (more && !args.q_by_tma) staged_rows_landed();
     MLA_TL(5 + 3 * k);
     pc = nx;
   }
@@ -545,6 +567,7 @@ cudaError_t launch(const DenseDecodeParams& p, cudaStream_t stream) {
   args.p = p;
   const cudaError_t enc = encode_kv_tensor_map<T>(&args.kmap, p, D);
   if (enc != cudaSuccess) return enc;
+  args.q_by_tma = encode_q_tensor_map<T>(&args.qmap, p, D);
 
   constexpr int smem = int(sizeof(Smem<D>)) + 1024;  // + alignment of the tiles to 1024 bytes
   static_assert(smem <= 227 * 1024, "Q, both key buffers and P fit the 227 KB an sm90 block may use");

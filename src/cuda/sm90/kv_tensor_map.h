@@ -1,6 +1,7 @@
-// Host side: the TMA tensor map of a paged dense cache, [num_blocks, page, h_k, d] 16-bit elements
-// read in 64 x 64 boxes (64 tokens of one page and head, 64 dims: 128-byte rows, 128-byte swizzle).
-// A block index past the cache (how kernels name an invalid block-table entry) loads zeros.
+// Host side: the TMA tensor maps of a paged dense cache and of a dense call's queries. The cache is
+// [num_blocks, page, h_k, d] 16-bit elements read in 64 x 64 boxes (64 tokens of one page and head,
+// 64 dims: 128-byte rows, 128-byte swizzle). A block index past the cache (how kernels name an
+// invalid block-table entry) loads zeros.
 // L2 promotion 128 bytes, the box's row: each row of a box is one 128-byte line of a token's record
 // (the next 128 bytes belong to the next box, loaded right after). On an H200, replays alternated
 // with the 256-byte promotion used before, it was faster in every dense case timed: b=128 h_q=128
@@ -13,6 +14,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <cstdint>
 #include <type_traits>
 
 #include "mla/params.h"
@@ -47,6 +49,34 @@ cudaError_t encode_kv_tensor_map(CUtensorMap* map, const DenseDecodeParams& p, i
              const_cast<void*>(p.k_cache), dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
              CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return res == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
+
+// The queries of KV head `group` of request req as one tensor of s_q x (h_q / h_k) rows, so that
+// a 64-row tile is one box per 64 columns: [b, h_k, rows, d] 16-bit elements read in 64 x 64 boxes
+// (128-byte swizzle), rows past the last loading as zeros. Row r is token r / hpg, head
+// group * hpg + r % hpg, which is one stride apart from row r - 1 only where a token's heads follow
+// the last token's (q_stride_s == hpg * q_stride_h) or there is one token. TMA also needs the
+// rows and the base on 16 bytes. Returns false, having encoded nothing, for any other Q: the
+// kernel then copies its rows one by one.
+template <typename T>
+bool encode_q_tensor_map(CUtensorMap* map, const DenseDecodeParams& p, int d) {
+  const auto encode = tensor_map_encoder();
+  const int64_t hpg = p.h_q / p.h_k, rows = int64_t(p.s_q) * hpg, es = sizeof(T);
+  if (!encode || (p.s_q > 1 && p.q_stride_s != hpg * p.q_stride_h)) return false;
+  // Strides of dimensions of extent 1 are never applied: any multiple of 16 bytes will do.
+  const int64_t row = rows > 1 ? p.q_stride_h * es : 16, head_group = p.h_k > 1 ? hpg * p.q_stride_h * es : 16;
+  const int64_t batch = p.b > 1 ? p.q_stride_b * es : 16;
+  auto fits = [](int64_t stride) { return stride > 0 && stride % 16 == 0 && stride < (int64_t(1) << 40); };
+  if (reinterpret_cast<uintptr_t>(p.q) % 16 != 0 || !fits(row) || !fits(head_group) || !fits(batch)) return false;
+  const cuuint64_t dims[4] = {cuuint64_t(d), cuuint64_t(rows), cuuint64_t(p.h_k), cuuint64_t(p.b)};
+  const cuuint64_t strides[3] = {cuuint64_t(row), cuuint64_t(head_group), cuuint64_t(batch)};
+  const cuuint32_t box[4] = {64, 64, 1, 1};
+  const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
+  const CUresult res =
+      encode(map, std::is_same_v<T, __half> ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 4,
+             const_cast<void*>(p.q), dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+             CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return res == CUDA_SUCCESS;
 }
 
 }  // namespace mla::cuda::sm90
