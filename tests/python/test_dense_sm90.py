@@ -138,10 +138,12 @@ def strided_query(values, row, token, batch, offset):
 
 
 # (s_q, h_q, h_k, causal, layout). "rows": rows 584 elements apart, batches 64 more than their
-# rows, 16 bytes into the buffer, so the 64-row kernel's Q tensor map carries Q's own strides
-# (h_k = 2 with 32 rows per KV head: a box reaches past the head group's rows, which load as zeros).
-# "tokens": each token's heads 8 rows short of the next token's, so that rows are not evenly strided
-# and the kernel copies them one by one.
+# rows, 16 bytes into the buffer. Where a KV head's rows are then one stride apart (s_q = 1, or
+# h_k = 1) the 64-row kernel loads them through a tensor map with Q's own strides; s_q = 1, h_q = 64,
+# h_k = 2 has 32 rows per KV head, so a box reaches past the head group's rows, which load as zeros.
+# With s_q = 2 and h_k = 2 the next token's rows of a KV head are h_q rows on, not h_q / h_k: the
+# kernel copies them one by one, as it does for "tokens", where each token's heads end 8 rows short
+# of the next token's.
 QUERY_LAYOUTS = [(1, 128, 1, False, "rows"), (2, 64, 1, True, "rows"), (1, 64, 2, False, "rows"),
                  (2, 32, 2, True, "rows"), (1, 16, 1, False, "rows"), (2, 128, 1, True, "tokens"),
                  (1, 48, 2, False, "tokens")]
