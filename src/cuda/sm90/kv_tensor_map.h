@@ -34,6 +34,17 @@ inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   return fn;
 }
 
+// A 4-D map of T (__nv_bfloat16 or __half) elements, unit element strides, 128-byte swizzle,
+// 128-byte L2 promotion, out-of-bounds elements loading as zeros.
+template <typename T>
+CUresult encode_4d(PFN_cuTensorMapEncodeTiled_v12000 encode, CUtensorMap* map, const void* base,
+                   const cuuint64_t (&dims)[4], const cuuint64_t (&strides)[3], const cuuint32_t (&box)[4]) {
+  const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
+  return encode(map, std::is_same_v<T, __half> ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 4,
+                const_cast<void*>(base), dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+}
+
 // T: __nv_bfloat16 or __half; d: the cache's last dimension (576 or 512).
 template <typename T>
 cudaError_t encode_kv_tensor_map(CUtensorMap* map, const DenseDecodeParams& p, int d) {
@@ -43,12 +54,7 @@ cudaError_t encode_kv_tensor_map(CUtensorMap* map, const DenseDecodeParams& p, i
   const cuuint64_t strides[3] = {cuuint64_t(p.k_stride_head) * sizeof(T), cuuint64_t(p.k_stride_token) * sizeof(T),
                                  cuuint64_t(p.k_stride_block) * sizeof(T)};
   const cuuint32_t box[4] = {64, 1, 64, 1};
-  const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
-  const CUresult res =
-      encode(map, std::is_same_v<T, __half> ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 4,
-             const_cast<void*>(p.k_cache), dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-             CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  return res == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+  return encode_4d<T>(encode, map, p.k_cache, dims, strides, box) == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
 
 // The queries of KV head `group` of request req as one tensor of s_q x (h_q / h_k) rows, so that
@@ -71,12 +77,7 @@ bool encode_q_tensor_map(CUtensorMap* map, const DenseDecodeParams& p, int d) {
   const cuuint64_t dims[4] = {cuuint64_t(d), cuuint64_t(rows), cuuint64_t(p.h_k), cuuint64_t(p.b)};
   const cuuint64_t strides[3] = {cuuint64_t(row), cuuint64_t(head_group), cuuint64_t(batch)};
   const cuuint32_t box[4] = {64, 64, 1, 1};
-  const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
-  const CUresult res =
-      encode(map, std::is_same_v<T, __half> ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 4,
-             const_cast<void*>(p.q), dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-             CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  return res == CUDA_SUCCESS;
+  return encode_4d<T>(encode, map, p.q, dims, strides, box) == CUDA_SUCCESS;
 }
 
 }  // namespace mla::cuda::sm90
