@@ -17,6 +17,7 @@
 #include "mla/mla.h"
 #include "mla/reference.h"
 #include "../../src/cuda/common/plan_block.cuh"
+#include "../../src/cuda/sm90/kv_tensor_map.h"
 
 namespace mla {
 
@@ -395,6 +396,46 @@ TEST(CudaDense, OutRowsOffSixteenBytesMatchAlignedRows) {
                           (const void*)dev.split.tile_scheduler_metadata, (const void*)dev.split.num_splits,
                           (const void*)dev.split.o_accum, (const void*)dev.split.lse_accum, (const void*)dev.o.lse})
     cudaFree(const_cast<void*>(ptr));
+}
+
+// The dense sm90 kernel loads Q through a tensor map exactly where a KV head's rows are one stride
+// apart (one token, or each token's heads right after the token before's) and on 16 bytes, and
+// copies the rows itself otherwise: the host encodes the map for the first kind and refuses the
+// rest. Strides of dimensions of extent 1 (one row, one KV head, one request) never matter.
+TEST(CudaDense, QueryTensorMapWhereRowsAreEvenlyStrided) {
+  char* q = nullptr;
+  CUDA_OK(cudaMalloc(&q, size_t(1) << 24));
+  struct Case {
+    const char* what;
+    int b, s_q, h_q, h_k;
+    int64_t stride_h, stride_s, stride_b;  // elements
+    int offset_bytes;
+    bool mapped;
+  };
+  const Case cases[] = {
+      {"contiguous, one token", 4, 1, 128, 1, 576, 128 * 576, 128 * 576, 0, true},
+      {"contiguous, two tokens", 4, 2, 128, 1, 576, 128 * 576, 256 * 576, 0, true},
+      {"two KV heads, one token", 4, 1, 64, 2, 576, 64 * 576, 64 * 576, 0, true},
+      {"two KV heads, two tokens: a head's next token is h_q rows on", 4, 2, 64, 2, 576, 64 * 576, 128 * 576, 0,
+       false},
+      {"each token's heads 8 rows short of the next token's", 4, 2, 128, 1, 576, 136 * 576, 272 * 576, 0, false},
+      {"rows 584 apart, padded batches, base 16 bytes in", 4, 1, 128, 1, 584, 128 * 584, 128 * 584 + 64, 16, true},
+      {"rows 577 apart", 4, 1, 128, 1, 577, 128 * 577, 128 * 577, 0, false},
+      {"batches 577 rows apart", 4, 1, 128, 1, 576, 128 * 576, 128 * 576 + 1, 0, false},
+      {"base 2 bytes in", 4, 1, 128, 1, 576, 128 * 576, 128 * 576, 2, false},
+      {"one request, any batch stride", 1, 1, 128, 1, 576, 128 * 576, 3, 0, true},
+      {"one row, any strides", 1, 1, 1, 1, 7, 9, 11, 0, true},
+  };
+  for (const Case& c : cases) {
+    DenseDecodeParams p;
+    p.b = c.b, p.s_q = c.s_q, p.h_q = c.h_q, p.h_k = c.h_k;
+    p.q = q + c.offset_bytes;
+    p.q_stride_h = c.stride_h, p.q_stride_s = c.stride_s, p.q_stride_b = c.stride_b;
+    CUtensorMap map;
+    EXPECT_EQ(cuda::sm90::encode_q_tensor_map<__nv_bfloat16>(&map, p, 576), c.mapped) << c.what;
+    EXPECT_EQ(cuda::sm90::encode_q_tensor_map<__half>(&map, p, 512), c.mapped) << c.what << " (fp16, d 512)";
+  }
+  cudaFree(q);
 }
 
 // On a Hopper GPU dense decode over 64-token pages runs the sm90 kernel; what it lacks (FP8,

@@ -146,7 +146,7 @@ def strided_query(values, row, token, batch, offset):
 # of the next token's.
 QUERY_LAYOUTS = [(1, 128, 1, False, "rows"), (2, 64, 1, True, "rows"), (1, 64, 2, False, "rows"),
                  (2, 32, 2, True, "rows"), (1, 16, 1, False, "rows"), (2, 128, 1, True, "tokens"),
-                 (1, 48, 2, False, "tokens")]
+                 (2, 48, 2, False, "tokens")]
 
 
 @pytest.mark.parametrize("impl", IMPLS)

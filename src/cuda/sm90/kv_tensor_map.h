@@ -11,6 +11,7 @@
 
 #include <cuda.h>
 #include <cudaTypedefs.h>
+#include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
@@ -69,9 +70,11 @@ bool encode_q_tensor_map(CUtensorMap* map, const DenseDecodeParams& p, int d) {
   const auto encode = tensor_map_encoder();
   const int64_t hpg = p.h_q / p.h_k, rows = int64_t(p.s_q) * hpg, es = sizeof(T);
   if (!encode || (p.s_q > 1 && p.q_stride_s != hpg * p.q_stride_h)) return false;
-  // Strides of dimensions of extent 1 are never applied: any multiple of 16 bytes will do.
-  const int64_t row = rows > 1 ? p.q_stride_h * es : 16, head_group = p.h_k > 1 ? hpg * p.q_stride_h * es : 16;
-  const int64_t batch = p.b > 1 ? p.q_stride_b * es : 16;
+  // A dimension of extent 1 never applies its stride, which the caller may have left at anything:
+  // it gets the packed one (its elements right after the dimension below).
+  const int64_t row = rows > 1 ? p.q_stride_h * es : d * es;
+  const int64_t head_group = p.h_k > 1 ? hpg * p.q_stride_h * es : rows * row;
+  const int64_t batch = p.b > 1 ? p.q_stride_b * es : p.h_k * head_group;
   auto fits = [](int64_t stride) { return stride > 0 && stride % 16 == 0 && stride < (int64_t(1) << 40); };
   if (reinterpret_cast<uintptr_t>(p.q) % 16 != 0 || !fits(row) || !fits(head_group) || !fits(batch)) return false;
   const cuuint64_t dims[4] = {cuuint64_t(d), cuuint64_t(rows), cuuint64_t(p.h_k), cuuint64_t(p.b)};
