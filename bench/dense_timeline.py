@@ -15,7 +15,10 @@ CTAs that ran a piece, the median and the 10th / 90th percentiles of each phase,
 - piece k, pairs: from the piece's start to the end of its pairs;
 - piece k, epilogue: from the end of its pairs to the end of its epilogue;
 - change k: from the end of piece k's epilogue to the start of piece k + 1;
-- end: a CTA's last epilogue end after the launch's first entry."""
+- end: a CTA's last epilogue end after the launch's first entry.
+With a fresh plan our build also stamps the in-kernel planner's phases (plan_block.cuh), printed
+as "plan: ...": from the dependency wait to the planner, then each phase to its end, then the row
+stored and the CTA synchronised (the main table's stamp [2])."""
 
 import argparse
 import ctypes
@@ -34,17 +37,40 @@ import bench_decode as B  # noqa: E402
 # per piece; kTimelineStamps in src/cuda/sm90/dense_decode.cu.
 STAMPS = 21
 MAX_PIECES = (STAMPS - 3) // 3
+# The planner's table: the end of each phase of BlockPlanner::plan_line (plan_block.cuh's numbers).
+PLAN_STAMPS = 6
+PLAN_PHASES = ["costs summed", "part costs cleared", "part costs added", "widths ruled out", "rows made"]
 
 
-def table(library, rows=2048):
-    fn = ctypes.CDLL(library).mla_kernels_dense_timeline
+def table(library, rows=2048, name="mla_kernels_dense_timeline", width=STAMPS):
+    """The last launch's table from `library`'s export `name` (rows of `width` stamps), or None
+    when the library has no such export."""
+    lib = ctypes.CDLL(library)
+    if not hasattr(lib, name):
+        return None
+    fn = getattr(lib, name)
     fn.argtypes = [ctypes.POINTER(ctypes.c_ulonglong), ctypes.c_int]
     fn.restype = ctypes.c_int
-    buf = (ctypes.c_ulonglong * (rows * STAMPS))()
+    buf = (ctypes.c_ulonglong * (rows * width))()
     n = fn(buf, rows)
     if n < 0:
-        raise SystemExit(f"{library}: mla_kernels_dense_timeline failed")
-    return [list(buf[r * STAMPS:(r + 1) * STAMPS]) for r in range(n)]
+        raise SystemExit(f"{library}: {name} failed")
+    return [list(buf[r * width:(r + 1) * width]) for r in range(n)]
+
+
+def plan_phases(rows, plan_rows):
+    """Planner phase name -> µs per CTA, over the CTAs that ran a piece and planned (every stamp of
+    their planner row set); rows and plan_rows are the same launch's tables."""
+    out = {}
+    for r, pr in zip(rows, plan_rows):
+        if r[0] <= 0 or not r[1] or not r[2] or not all(pr):
+            continue
+        us = lambda a, b: (b - a) / 1000.0  # noqa: E731
+        out.setdefault("plan: to the planner", []).append(us(r[1], pr[0]))
+        for k, name in enumerate(PLAN_PHASES):
+            out.setdefault(f"plan: {name}", []).append(us(pr[k], pr[k + 1]))
+        out.setdefault("plan: row stored, CTA synchronised", []).append(us(pr[-1], r[2]))
+    return out
 
 
 def phases(rows):
@@ -74,8 +100,10 @@ def phases(rows):
     return out
 
 
-def summary(name, rows):
+def summary(name, rows, plan_rows=None):
     ph = phases(rows)
+    if plan_rows:
+        ph.update(plan_phases(rows, plan_rows))
     print(f"# {name}: {sum(1 for r in rows if r[0] > 0)} CTAs with pieces of {len(rows)}")
     for key, vals in ph.items():
         if not vals:
@@ -106,8 +134,12 @@ def main():
         libs = glob.glob(os.path.join(os.path.dirname(mla_kernels.__file__), "libmla_kernels_ops*.so"))
     if not libs:
         raise SystemExit("no library found")
+    rows = table(libs[0])
+    if rows is None:
+        raise SystemExit(f"{libs[0]} has no timeline: build it with MLA_DENSE_TIMELINE=1")
+    plan_rows = None if args.reuse_plan else table(libs[0], name="mla_kernels_dense_plan_timeline", width=PLAN_STAMPS)
     summary(("FlashMLA " if args.flashmla else "ours ") + args.case + (" reused" if args.reuse_plan else ""),
-            table(libs[0]))
+            rows, plan_rows)
 
 
 if __name__ == "__main__":

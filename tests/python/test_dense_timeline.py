@@ -1,5 +1,6 @@
 """bench/dense_timeline.py's reading of a stamp table (no GPU): phases per CTA from the stamps, CTAs
-without a piece left out, a piece's phases only once all three of its stamps are there."""
+without a piece left out, a piece's phases only once all three of its stamps are there; the
+planner's phases from its own table, for the CTAs that planned."""
 
 import os
 import sys
@@ -46,3 +47,18 @@ def test_a_piece_missing_a_stamp_ends_the_ctas_phases():
 
 def test_no_cta_with_a_piece():
     assert T.phases([row(0, 5, 6)]) == {}
+
+
+def test_planner_phases_of_the_ctas_that_planned():
+    rows = [row(1, 1_000, 9_000, 10_000, 20_000, 21_000), row(1, 2_000, 9_500, 11_000, 30_000, 31_000),
+            row(0, 500, 700)]
+    plan_rows = [
+        [1_500, 2_500, 3_000, 5_000, 5_500, 8_000],
+        [0] * T.PLAN_STAMPS,  # a CTA whose planner row was not written: left out
+        [600, 610, 620, 630, 640, 650],  # no piece: left out
+    ]
+    ph = T.plan_phases(rows, plan_rows)
+    assert ph["plan: to the planner"] == [0.5]
+    assert [ph[f"plan: {n}"] for n in T.PLAN_PHASES] == [[1.0], [0.5], [2.0], [0.5], [2.5]]
+    assert ph["plan: row stored, CTA synchronised"] == [1.0]
+    assert len(T.PLAN_PHASES) == T.PLAN_STAMPS - 1

@@ -14,6 +14,14 @@
 
 #include "mla/plan.h"
 
+// Timing aid: a kernel's translation unit may define MLA_PLAN_STAMP(phase) before including this
+// header to stamp the end of each of plan_line's phases (0: its start, 1: costs summed, 2: part
+// costs cleared, 3: part costs added, 4: widths ruled out, 5: rows and num_splits made); the dense
+// sm90 kernel's MLA_DENSE_TIMELINE build does.
+#ifndef MLA_PLAN_STAMP
+#define MLA_PLAN_STAMP(phase)
+#endif
+
 namespace mla::cuda {
 
 // Parts whose costs fit 64 KB (the smallest key buffer of the attention kernels that plan in it):
@@ -108,6 +116,7 @@ struct BlockPlanner {
   // it returns false, having written nothing, for a line of 2^31 units or more.
   template <typename Pos, typename Div>
   __device__ __noinline__ static bool plan_line(const DecodePlanParams& p, int only_part, Scratch& sc, void* costs) {
+    MLA_PLAN_STAMP(0);
     Pos* part_cost = reinterpret_cast<Pos*>(costs);
     const int tid = threadIdx.x, f = plan_fixed(p), parts = p.num_sm_parts;
     if (p.b <= 0) return false;
@@ -116,6 +125,7 @@ struct BlockPlanner {
 #pragma unroll 1
     for (int i = tid + kThreads; i < p.b; i += kThreads) cost += plan_units(request_blocks(p, i), f);
     const unsigned long long total = block_sum(cost, sc);
+    MLA_PLAN_STAMP(1);
     if (sizeof(Pos) < 8 && total >= (1ull << 31)) return false;
     // plan_width (with 32-bit positions total + parts - 1 < 2^32).
     const Pos w0 = (Pos(total) + Pos(parts) - 1) / Pos(parts);
@@ -133,6 +143,7 @@ struct BlockPlanner {
 #pragma unroll
     for (int c = 0; c < kPlanWidthChoices; ++c) by[c] = Div(w0 + Pos(c));
     __syncthreads();  // sc.unfit, the idle rows, part_cost
+    MLA_PLAN_STAMP(2);
 
     // Each request's position on the line, the widths that cut it and its units in part_cost.
     Pos start_first = 0, units_first = 0, base = 0;
@@ -156,6 +167,7 @@ struct BlockPlanner {
       base += round_units;
     }
     __syncthreads();  // every request's units are in part_cost
+    MLA_PLAN_STAMP(3);
     unsigned unfit = cuts;
 #pragma unroll 1
     for (int c = 0; c <= f; ++c)
@@ -165,6 +177,7 @@ struct BlockPlanner {
     unfit = __reduce_or_sync(0xffffffffu, unfit);
     if (tid % 32 == 0 && unfit) atomicOr(&sc.unfit, unfit);
     __syncthreads();
+    MLA_PLAN_STAMP(4);
     const long long w = plan_choose_width(w0, sc.unfit, f);
     const Div by_w(static_cast<Pos>(w));
 
@@ -185,6 +198,7 @@ struct BlockPlanner {
       pieces_base += round_pieces;
     }
     // (The barriers of the last scan ordered every request's writes to sc.row before this.)
+    MLA_PLAN_STAMP(5);
     if (only_part >= 0 && tid == 0) reinterpret_cast<PlanRow*>(p.tile_scheduler_metadata)[only_part] = sc.row;
     return true;
   }

@@ -77,6 +77,35 @@
 #include <cstdint>
 #include <type_traits>
 
+// Timing aid (MLA_DENSE_TIMELINE, below): the in-kernel planner's phases go into a table of their
+// own, [row][phase] as plan_block.cuh numbers them, which the library exports as
+// `extern "C" int mla_kernels_dense_plan_timeline(unsigned long long* rows, int max_rows)` (rows
+// as in the main table; zero in a call that did not plan). The hook has to exist before
+// plan_block.cuh is read.
+#ifndef MLA_DENSE_TIMELINE
+#define MLA_DENSE_TIMELINE 0
+#endif
+#if MLA_DENSE_TIMELINE
+namespace mla::cuda::sm90 {
+constexpr int kTimelineRows = 2048;
+constexpr int kPlanStamps = 6;
+__device__ unsigned long long g_dense_plan_timeline[kTimelineRows][kPlanStamps];
+__device__ __forceinline__ int timeline_row() {
+  return (int(blockIdx.z) * int(gridDim.y) + int(blockIdx.y)) * int(gridDim.x) + int(blockIdx.x);
+}
+__device__ __forceinline__ unsigned long long global_timer() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
+  return t;
+}
+__device__ __forceinline__ void plan_stamp(int phase) {
+  const int row = timeline_row();
+  if (threadIdx.x == 0 && row < kTimelineRows) g_dense_plan_timeline[row][phase] = global_timer();
+}
+}  // namespace mla::cuda::sm90
+#define MLA_PLAN_STAMP(phase) ::mla::cuda::sm90::plan_stamp(phase)
+#endif
+
 #include "../common/decode_io.cuh"
 #include "../common/plan_block.cuh"
 #include "../common/smem_limit.h"
@@ -97,13 +126,9 @@ namespace sm90 {
 // `extern "C" int mla_kernels_dense_timeline(unsigned long long* rows, int max_rows)`, which copies
 // the last launch's table (row = (part * gridDim.y + KV head) * gridDim.x + row tile) and returns the
 // rows written, for ctypes. Global stores, not printf: a call in the kernel serialises its wgmma.
-#ifndef MLA_DENSE_TIMELINE
-#define MLA_DENSE_TIMELINE 0
-#endif
 #if MLA_DENSE_TIMELINE
 constexpr int kTimelinePieces = 6;
 constexpr int kTimelineStamps = 3 + 3 * kTimelinePieces;
-constexpr int kTimelineRows = 2048;
 __device__ unsigned long long g_dense_timeline[kTimelineRows][kTimelineStamps];
 __device__ int g_dense_timeline_rows;
 #endif
@@ -212,17 +237,14 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_kernel(const __grid_
   };
 
 #if MLA_DENSE_TIMELINE
-  const int tl_row = (int(blockIdx.z) * int(gridDim.y) + int(blockIdx.y)) * int(gridDim.x) + int(blockIdx.x);
+  const int tl_row = timeline_row();
   unsigned long long* timeline = tl_row < kTimelineRows ? g_dense_timeline[tl_row] : nullptr;
   auto stamp = [&](int at) {
-    if (tid == 0 && timeline && at < kTimelineStamps) {
-      unsigned long long t;
-      asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
-      timeline[at] = t;
-    }
+    if (tid == 0 && timeline && at < kTimelineStamps) timeline[at] = global_timer();
   };
   if (tid == 0 && timeline) {
     for (int at = 0; at < kTimelineStamps; ++at) timeline[at] = 0;
+    for (int at = 0; at < kPlanStamps; ++at) g_dense_plan_timeline[tl_row][at] = 0;
     if (tl_row == 0) g_dense_timeline_rows = int(gridDim.x * gridDim.y * gridDim.z);
   }
   stamp(1);
@@ -597,7 +619,11 @@ cudaError_t sm90_dense_decode(const DenseDecodeParams& p, cudaStream_t stream) {
 }  // namespace mla::cuda
 
 #if MLA_DENSE_TIMELINE
-extern "C" int mla_kernels_dense_timeline(unsigned long long* rows, int max_rows) {
+namespace {
+// Copies the last launch's rows of a timeline table, at most max_rows; returns the rows copied, or
+// -1 on an error.
+template <typename Table>
+int copy_timeline(const Table& table, unsigned long long* rows, int max_rows) {
   using namespace mla::cuda::sm90;
   int n = 0;
   if (cudaDeviceSynchronize() != cudaSuccess ||
@@ -605,8 +631,16 @@ extern "C" int mla_kernels_dense_timeline(unsigned long long* rows, int max_rows
     return -1;
   n = n < max_rows ? n : max_rows;
   n = n < kTimelineRows ? n : kTimelineRows;
-  if (n > 0 && cudaMemcpyFromSymbol(rows, g_dense_timeline, size_t(n) * sizeof(g_dense_timeline[0])) != cudaSuccess)
-    return -1;
+  if (n > 0 && cudaMemcpyFromSymbol(rows, table, size_t(n) * sizeof(table[0])) != cudaSuccess) return -1;
   return n;
+}
+}  // namespace
+
+extern "C" int mla_kernels_dense_timeline(unsigned long long* rows, int max_rows) {
+  return copy_timeline(mla::cuda::sm90::g_dense_timeline, rows, max_rows);
+}
+// The planner's table of the same launch, rows as in mla_kernels_dense_timeline.
+extern "C" int mla_kernels_dense_plan_timeline(unsigned long long* rows, int max_rows) {
+  return copy_timeline(mla::cuda::sm90::g_dense_plan_timeline, rows, max_rows);
 }
 #endif
