@@ -69,7 +69,12 @@
 // (twenty-second session). Q by TMA rather than the threads' copies: b=128 s_k=512 59.7 -> 53.3 us
 // fresh, 49.4 -> 48.3 reused; prefetching the next piece's lengths and block-table row into L1 and
 // its Q into L2 at a piece's start gained nothing more. The in-kernel plan's 7 us are mostly cold
-// misses: run again right away it takes 2.9 us (twenty-third session).
+// misses: run again right away it takes 2.9 us (twenty-third session). Not the lengths or the block
+// table in HBM, though: prefetching them into L2 before the dependency wait was level, and
+// prefetching the first piece from the plan already in memory, or the next piece's Q and first
+// blocks at a piece's start, was slower (b=128 s_k=512 reused 48.3 -> 52.7 us; twenty-fourth session).
+// With plans reused it is the attention kernel alone that trails (profiled apart: 43.1 against 41.4
+// us at s_k=512, 262.8 against 252.2 at varlen); the combine is level or faster.
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <cuda_runtime.h>
