@@ -255,32 +255,3 @@ def test_hopper_kernels_make_the_planners_plan(h_q, s_q, b, impl, monkeypatch):
     again = flash_mla.flash_mla_with_kvcache(q, kc, bt, sl, 512, own, causal=s_q > 1)
     assert torch.equal(out, again[0]) and torch.equal(lse, again[1])
 
-
-def test_stale_and_foreign_plans_on_the_hopper_kernel():
-    """Engines reuse one plan for every layer of a step; on the Hopper kernel (64-token pages, which
-    the portable-path test of test_plan_reuse.py does not reach) a plan made for other lengths still
-    gives exact results, and rows of the right batch size naming any request or block, which pass
-    the kernel's batch check, are clamped: the call completes without an illegal access."""
-    if "sm90_small" not in IMPLS:
-        pytest.skip("the Hopper kernels run on sm90 GPUs only")
-    paged = R.make_dense_paged([2000, 2000, 2000, 2000], 64, 1, 576, torch.bfloat16)
-    q = R.rand((4, 1, 128, 576), torch.bfloat16)
-    q_d, kc, bt = q.cuda(), paged.k_cache.cuda(), paged.block_table.cuda()
-    sched, _ = flash_mla.get_mla_metadata()
-    flash_mla.flash_mla_with_kvcache(q_d, kc, bt, torch.tensor([700, 60, 1999, 3], dtype=torch.int32).cuda(), 512,
-                                     sched)
-    new_lens = [1500, 64, 1, 2000]
-    out, lse = flash_mla.flash_mla_with_kvcache(q_d, kc, bt, torch.tensor(new_lens, dtype=torch.int32).cuda(), 512,
-                                                sched)
-    ref_out, ref_lse = R.ref_dense_decode(q, [s[:n] for s, n in zip(paged.seqs, new_lens)], 576 ** -0.5, False)
-    R.check_is_allclose("out", out.cpu(), ref_out, **R.DENSE_OUT_TOL)
-    R.check_is_allclose("lse", lse.cpu(), ref_lse, **R.DENSE_LSE_TOL)
-
-    sl = paged.cache_seqlens.cuda()
-    tsm, ns = flash_mla.get_mla_metadata(sl, 128, 1)
-    wild = torch.tensor([-2**31, -1, 0, 3, 4, 2**31 - 1, bt.shape[1] - 1, bt.shape[1]], dtype=torch.int32)
-    g = torch.Generator().manual_seed(5)
-    rows = wild[torch.randint(0, len(wild), tsm.shape, generator=g)]
-    rows[:, 7] = 4  # the batch size: the rows pass the kernel's batch check
-    flash_mla.flash_mla_with_kvcache(q_d, kc, bt, sl, 512, rows.cuda(), ns)
-    torch.cuda.synchronize()  # an illegal access would raise here

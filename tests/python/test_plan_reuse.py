@@ -1,4 +1,5 @@
-"""One plan, reused: engines plan once per decoding step and reuse the plan for every layer. If the
+"""One plan, reused: engines plan once per decoding step and reuse the plan for every layer, on the
+portable kernel and (64-token pages, 128 heads) the Hopper one alike. If the
 lengths change under a reused plan the result must still be exact (each request's first piece
 starts at its first block, its last piece runs to its last block); a plan of another batch is an
 error on the CPU and never an out-of-bounds access on the GPU; shapes the checks reject never
@@ -16,10 +17,15 @@ def dense_case(lens, h_q=16, page=16):
     return R.rand((len(lens), 1, h_q, 576)), paged
 
 
+# 16-token pages take the portable kernel; 64-token pages with 128 heads the Hopper 64-row kernel on sm90.
+PATHS = [(16, 16), (128, 64)]
+
+
+@pytest.mark.parametrize("h_q,page", PATHS)
 @pytest.mark.parametrize("new_lens", [[40, 900, 0, 300], [1, 1, 1, 1], [500, 2000, 64, 1]])
-def test_lazy_plan_reused_after_lengths_changed(device, new_lens):
+def test_lazy_plan_reused_after_lengths_changed(device, new_lens, h_q, page):
     # The cache holds 2000 tokens per request; the plan is made for other lengths.
-    q, paged = dense_case([2000, 2000, 2000, 2000])
+    q, paged = dense_case([2000, 2000, 2000, 2000], h_q, page)
     args = [t.to(device) for t in (q, paged.k_cache, paged.block_table)]
     sched, _ = flash_mla.get_mla_metadata()
     first_lens = torch.tensor([700, 60, 1500, 3], dtype=torch.int32)
@@ -59,14 +65,20 @@ def test_plan_of_another_batch_is_rejected_on_cpu():
 
 
 @pytest.mark.cuda
-def test_plan_of_another_batch_never_reads_out_of_bounds_on_cuda():
-    q, paged = dense_case([640] * 8, h_q=128)
+@pytest.mark.parametrize("page", [16, 64])
+def test_plan_of_another_batch_never_reads_out_of_bounds_on_cuda(page):
+    q, paged = dense_case([640] * 8, h_q=128, page=page)
     kc, bt, sl = paged.k_cache.cuda(), paged.block_table.cuda(), paged.cache_seqlens.cuda()
     tsm, ns = flash_mla.get_mla_metadata(sl, 128, 1)
     out, lse = flash_mla.flash_mla_with_kvcache(q[:4].cuda(), kc, bt[:4], sl[:4], 512, tsm, ns[:5].contiguous())
     # Garbage metadata too: no request, split row or combine read may leave its tensor.
     garbage = torch.randint(-5, 50, tsm.shape, dtype=torch.int32, device="cuda")
     flash_mla.flash_mla_with_kvcache(q[:4].cuda(), kc, bt[:4], sl[:4], 512, garbage, ns[:5].contiguous())
+    # Rows of the call's batch size pass the batch check: any request or block they name is clamped.
+    wild = torch.tensor([-2**31, -1, 0, 3, 4, 2**31 - 1, bt.shape[1] - 1, bt.shape[1]], dtype=torch.int32)
+    rows = wild[torch.randint(0, len(wild), tsm.shape, generator=torch.Generator().manual_seed(5))]
+    rows[:, 7] = 4
+    flash_mla.flash_mla_with_kvcache(q[:4].cuda(), kc, bt[:4], sl[:4], 512, rows.cuda(), ns[:5].contiguous())
     torch.cuda.synchronize()  # an illegal access would raise here
     assert out.shape == (4, 1, 128, 512)
 
