@@ -42,6 +42,10 @@ constexpr uint32_t kDenseSm90Small =
 constexpr uint32_t kDenseSm90 = kDenseSm90Small | kAnyRows;
 // Every sparse feature: at most 32 heads with the heads as wgmma's N, more in 64-head tiles.
 constexpr uint32_t kSparseSm90Small = kSparseAll & ~kAnyRows;
+// The V3.2 format only, at most 32 heads (more than 16 run the small-heads kernel). Selectable
+// (MLA_KERNELS_IMPL=sm90_frag), never chosen: after sm90_small, which is faster (H200, b=128
+// h_q=16 topk 2048, plan reused: 75.0-76.3 against 109.5-111.6 us; sparse_decode_frag.cu says why).
+constexpr uint32_t kSparseSm90Frag = kSparseSm90Small & ~kFeatModel1Format & ~kFeatHeadDim512;
 
 const std::vector<Implementation<DenseDecodeParams>> kDense = {
 #if defined(MLA_KERNELS_WITH_SM90A)
@@ -53,6 +57,7 @@ const std::vector<Implementation<DenseDecodeParams>> kDense = {
 const std::vector<Implementation<SparseDecodeParams>> kSparse = {
 #if defined(MLA_KERNELS_WITH_SM90A)
     {{"sm90_small", OpKind::kSparseDecode, 90, 90, kSparseSm90Small}, sm90_sparse_decode_small, true},
+    {{"sm90_frag", OpKind::kSparseDecode, 90, 90, kSparseSm90Frag}, sm90_sparse_decode_frag, true},
     {{"sm90", OpKind::kSparseDecode, 90, 90, kSparseAll}, sm90_sparse_decode, true},
 #endif
     {{"portable", OpKind::kSparseDecode, 80, kAnyNewer, kSparseAll}, portable_sparse_decode},

@@ -102,6 +102,11 @@ __device__ __forceinline__ void cp_async_16(void* dst, const void* src, uint32_t
                : "memory");
 }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+// One arrival on `bar` once every cp.async this thread issued before has landed; the arrival is
+// one of the barrier's expected count (noinc). Whoever waits for the phase sees the copied bytes.
+__device__ __forceinline__ void cp_async_arrive_noinc(uint64_t* bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_addr(bar)) : "memory");
+}
 
 // ---- registers between warpgroups ---------------------------------------------------------------
 
@@ -206,6 +211,10 @@ __device__ void wgmma_rs_v(float (&d)[128], const uint32_t (&a)[4], uint64_t des
 // (TransA = 0: S^T = K Q^T) or MN-major (TransA = 1: O^T = V^T P^T, V stored key-major).
 template <typename T, int N, int TransA>
 __device__ void wgmma_ss_small(float (&d)[N / 2], uint64_t desc_a, uint64_t desc_b, int scale_d);
+// The same with A (64 x 16) from registers: a[0] rows g, k 2 t4 .. + 1; a[1] row g + 8; a[2] row g,
+// k + 8; a[3] row g + 8, k + 8 (g = lane / 4 + 16 warp, t4 = lane % 4), two 16-bit elements each.
+template <typename T, int N>
+__device__ void wgmma_rs_small(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc_b, int scale_d);
 
 #if defined(MLA_SM90A_DEVICE)
 // The instruction forms, one per shape and operand source, each written once for both 16-bit
@@ -306,6 +315,21 @@ __device__ void wgmma_ss_small(float (&d)[N / 2], uint64_t desc_a, uint64_t desc
                  : ACC                                                                                    \
                  : "l"(desc_a), "l"(desc_b), "r"(scale_d));                                               \
   }
+// N = 16: accumulators %0-%7, A %8-%11, descriptor %12, scale %13; N = 32: %0-%15, %16-%19, %20, %21.
+#define MLA_WGMMA_RS_SMALL(T, PT, N, REGS, ACC, A, B, SCALE)                                               \
+  template <>                                                                                             \
+  __device__ __forceinline__ void wgmma_rs_small<T, N>(float(&d)[N / 2], const uint32_t(&a)[4], uint64_t desc_b, \
+                                                       int scale_d) {                                     \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " SCALE ", 0;\n"                                      \
+                 "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." PT "." PT " {" REGS "}, " A ", " B     \
+                 ", p, 1, 1, 0;\n}\n"                                                                      \
+                 : ACC                                                                                    \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));                \
+  }
+MLA_WGMMA_RS_SMALL(__nv_bfloat16, "bf16", 16, MLA_WGMMA_REGS8, MLA_WGMMA_ACC8, "{%8, %9, %10, %11}", "%12", "%13")
+MLA_WGMMA_RS_SMALL(__nv_bfloat16, "bf16", 32, MLA_WGMMA_REGS16, MLA_WGMMA_ACC16, "{%16, %17, %18, %19}", "%20",
+                   "%21")
+#undef MLA_WGMMA_RS_SMALL
 MLA_WGMMA_SS_SMALL(__nv_bfloat16, "bf16", 16, 0, MLA_WGMMA_REGS8, MLA_WGMMA_ACC8, "%8", "%9", "%10")
 MLA_WGMMA_SS_SMALL(__half, "f16", 16, 0, MLA_WGMMA_REGS8, MLA_WGMMA_ACC8, "%8", "%9", "%10")
 MLA_WGMMA_SS_SMALL(__nv_bfloat16, "bf16", 16, 1, MLA_WGMMA_REGS8, MLA_WGMMA_ACC8, "%8", "%9", "%10")

@@ -103,10 +103,14 @@ __device__ __forceinline__ void small_mask_max(float (&s)[N / 2], float scale_lo
   }
 }
 
-template <typename T, int N>
+// key_of(key): the column of P that S^T's row `key` goes to (its key's place in the block).
+struct SameKey {
+  __device__ int operator()(int key) const { return key; }
+};
+template <typename T, int N, typename KeyOf = SameKey>
 __device__ __forceinline__ void small_softmax(float (&s)[N / 2], const float (*warp_max)[N], float (&m_run)[N / 8][2],
                                               float (&l_part)[N / 8][2], float (&o)[kSmallVTiles][N / 2], uint8_t* p,
-                                              int warp, int lane) {
+                                              int warp, int lane, const KeyOf& key_of = {}) {
   const int g = lane / 4, t4 = lane % 4, key_lo = warp * 16 + g;
   float alpha[N / 8][2];
 #pragma unroll
@@ -125,7 +129,7 @@ __device__ __forceinline__ void small_softmax(float (&s)[N / 2], const float (*w
         float& v = s[4 * n + 2 * hk + e];
         v = exp2_ftz(v - base);
         sum += v;
-        *reinterpret_cast<T*>(p + swz(c, key_lo + 8 * hk)) = small_from_float<T>(v);
+        *reinterpret_cast<T*>(p + swz(c, key_of(key_lo + 8 * hk))) = small_from_float<T>(v);
       }
       l_part[n][e] = l_part[n][e] * alpha[n][e] + sum;
     }
