@@ -77,3 +77,13 @@ def test_frag_kernel_plans_and_reuses(b, frag):
     R.check_is_allclose("lse", lse.cpu(), ref_lse, **R.SPARSE_LSE_TOL)
     again = flash_mla.flash_mla_with_kvcache(q, kv8, None, None, 512, own, **args)
     assert torch.equal(out, again[0]) and torch.equal(lse, again[1])
+
+
+@pytest.mark.parametrize("fmt,h_q", [("model1", 16), ("v32", 64)])
+def test_frag_kernel_refuses_what_it_lacks(fmt, h_q, frag):
+    """Forced onto a call it cannot run (the MODEL1 format, more than 32 heads), the dispatch says
+    which feature the implementation lacks instead of launching it."""
+    main, _ = build(fmt, 1, 1, 100, 64, 64, device="cuda")
+    q = R.rand((1, 1, h_q, R.FORMATS[fmt].d))
+    with pytest.raises(RuntimeError, match="sm90_frag lacks"):
+        run_sparse(q, main, None, None, 1.0, device="cuda")

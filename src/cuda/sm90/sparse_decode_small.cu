@@ -39,7 +39,9 @@
 // passage through L1 share that data path. Measured slower: whole records staged by cp.async.bulk
 // (287 us against 183), three key buffers with S^T(j+1) before O^T(j) (MODEL1 48.5 -> 52.4), the
 // RoPE part of S^T from registers (90.5 -> 115.6), V3.2 records skipping L1 (80.8 -> 92; with two
-// slots 76.7 -> 82.3).
+// slots 76.7 -> 82.3), the records copied as FP8 and dequantised into both products' register
+// operands by two consumer warpgroups (sparse_decode_frag.cu: 75-76 -> 110 us), the dequantisation
+// as bf16(e4m3) * bf16(scale) in bf16x2 (75-76 -> 80).
 #include <cuda_runtime.h>
 
 #include <cstdint>
