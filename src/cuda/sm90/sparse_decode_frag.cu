@@ -37,7 +37,6 @@
 #include <cstdint>
 
 #include "../common/decode_io.cuh"
-#include "../common/fp8.cuh"
 #include "../common/plan_block.cuh"
 #include "../common/ptx.cuh"
 #include "../common/smem_limit.h"
@@ -72,10 +71,11 @@ constexpr int kStages = 4;
 constexpr int kQTiles = Fm::kD / 64;  // 9: eight NoPE tiles and the RoPE tile
 constexpr int kQTileBytes = N * 128;
 constexpr int kConsumerWgs = 2;
-// Two consumer warpgroups and one producer warpgroup, 168 registers a thread: ptxas compiles the
-// whole kernel within the launch bound (three warps per SM sub-partition), setmaxnreg or not, so
-// a consumer's O^T (64), its A fragments in flight (two sets of 16) and the loads feeding them fit
-// that, and no block's wgmma is left in flight behind the next one's.
+// Two consumer warpgroups and one producer warpgroup at 168 registers a thread (no setmaxnreg): a
+// consumer's O^T (64), its A fragments in flight (two sets of 16) and the loads feeding them fit,
+// and each block's O^T products are done before the next block's S^T starts. Left in flight
+// behind it (with setmaxnreg 208 / 88 for the registers), ptxas serialised every wgmma: it does not
+// see them retired by S^T's own waits.
 constexpr int kProducerThreads = 128;
 constexpr int kThreads = 128 * kConsumerWgs + kProducerThreads;
 static_assert(kStageBytes % 1024 == 0, "the stages keep the Q and P tiles after them 1024-byte aligned");
