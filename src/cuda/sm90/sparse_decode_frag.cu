@@ -27,8 +27,9 @@
 // the small-heads kernel (sparse_decode_small.cu): V3.2 b=128 h_q=16 topk 2048, plan reused,
 // 109.5-111.6 us against 75.0-76.3, whole calls 100.7 against 83.9. Alone (MLA_FRAG_DIAG) the
 // consumers take 78.6 us and the producer 62.3: every element is dequantised twice (for K and
-// for V), by the consumers, which then wait on their conversions, and the cp.async gather is
-// slower than the small-heads kernel's register loads.
+// for V) by the consumers, 75 k instructions a scheduler issued every other cycle (ncu: under one
+// eligible warp of their two per scheduler), and the cp.async gather is slower than the
+// small-heads kernel's register loads.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
