@@ -32,6 +32,7 @@ enum Feature : uint32_t {
   kFeatOtherPageSize = 1u << 13,  // any other page size
   kFeatHeadsOver64 = 1u << 14,   // more than 64 query rows per KV head (dense) / heads (sparse)
   kFeatHeadsOver32 = 1u << 15,   // more than 32 of them (set together with kFeatHeadsOver64 above 64)
+  kFeatHeadsOver16 = 1u << 16,   // more than 16 of them (set with the two above where they are)
 };
 
 // Human-readable names of the bits set in `features`, comma separated.

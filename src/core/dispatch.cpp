@@ -26,6 +26,7 @@ constexpr struct {
     {kFeatOtherPageSize, "page size other than 64"},
     {kFeatHeadsOver64, "more than 64 query rows per KV head"},
     {kFeatHeadsOver32, "more than 32 query rows per KV head"},
+    {kFeatHeadsOver16, "more than 16 query rows per KV head"},
 };
 
 uint32_t head_dim_bit(int d_qk) { return d_qk == kHeadDimV32 ? kFeatHeadDim576 : kFeatHeadDim512; }
@@ -57,6 +58,7 @@ uint32_t required_features(const DenseDecodeParams& p) {
   f |= p.page_block_size == 64 ? kFeatPageSize64 : kFeatOtherPageSize;
   if (p.causal && p.s_q > 1) f |= kFeatCausal;
   const int rows = p.h_k > 0 ? p.s_q * (p.h_q / p.h_k) : 0;
+  if (rows > 16) f |= kFeatHeadsOver16;
   if (rows > 32) f |= kFeatHeadsOver32;
   if (rows > 64) f |= kFeatHeadsOver64;
   return f;
@@ -69,6 +71,7 @@ uint32_t required_features(const SparseDecodeParams& p) {
   if (p.topk_length) f |= kFeatTopkLength;
   if (has_extra_cache(p)) f |= kFeatExtraCache;
   if (has_extra_cache(p) && p.extra_topk_length) f |= kFeatExtraTopkLength;
+  if (p.h_q > 16) f |= kFeatHeadsOver16;
   if (p.h_q > 32) f |= kFeatHeadsOver32;
   if (p.h_q > 64) f |= kFeatHeadsOver64;
   return f;
@@ -78,6 +81,7 @@ uint32_t required_features(const SparsePrefillParams& p) {
   uint32_t f = kFeatBF16 | head_dim_bit(p.d_qk);
   if (p.attn_sink) f |= kFeatAttnSink;
   if (p.topk_length) f |= kFeatTopkLength;
+  if (p.h_q > 16) f |= kFeatHeadsOver16;
   if (p.h_q > 32) f |= kFeatHeadsOver32;
   if (p.h_q > 64) f |= kFeatHeadsOver64;
   return f;

@@ -23,7 +23,7 @@ struct Implementation {
 };
 
 constexpr int kAnyNewer = 1000;
-constexpr uint32_t kAnyRows = kFeatHeadsOver32 | kFeatHeadsOver64;
+constexpr uint32_t kAnyRows = kFeatHeadsOver16 | kFeatHeadsOver32 | kFeatHeadsOver64;
 constexpr uint32_t kDenseAll = kFeatBF16 | kFeatFP16 | kFeatFP8 | kFeatHeadDim576 | kFeatHeadDim512 | kFeatCausal |
                                kFeatPageSize64 | kFeatOtherPageSize | kAnyRows;
 constexpr uint32_t kSparseAll = kFeatBF16 | kFeatHeadDim576 | kFeatHeadDim512 | kFeatV32Format | kFeatModel1Format |
@@ -38,14 +38,14 @@ constexpr uint32_t kPrefillAll = kFeatBF16 | kFeatHeadDim576 | kFeatHeadDim512 |
 // b=128 s_k=8192 293.8 against 301.3 us, b=1 s_k=8192 16.9 against 20.3, b=128 s_k=1024 varlen
 // 55.9 against 57.4; b=8..64 within 1%). The small-rows kernel stays selectable (sm90_small).
 constexpr uint32_t kDenseSm90Small =
-    kFeatBF16 | kFeatFP16 | kFeatHeadDim576 | kFeatHeadDim512 | kFeatCausal | kFeatPageSize64;
+    kFeatBF16 | kFeatFP16 | kFeatHeadDim576 | kFeatHeadDim512 | kFeatCausal | kFeatPageSize64 | kFeatHeadsOver16;
 constexpr uint32_t kDenseSm90 = kDenseSm90Small | kAnyRows;
 // Every sparse feature: at most 32 heads with the heads as wgmma's N, more in 64-head tiles.
-constexpr uint32_t kSparseSm90Small = kSparseAll & ~kAnyRows;
-// The V3.2 format only, at most 32 heads (more than 16 run the small-heads kernel). Selectable
+constexpr uint32_t kSparseSm90Small = kSparseAll & ~(kFeatHeadsOver32 | kFeatHeadsOver64);
+// The V3.2 format only, at most 16 heads. Selectable
 // (MLA_KERNELS_IMPL=sm90_frag), never chosen: after sm90_small, which is faster (H200, b=128
 // h_q=16 topk 2048, plan reused: 75.0-76.3 against 109.5-111.6 us; sparse_decode_frag.cu says why).
-constexpr uint32_t kSparseSm90Frag = kSparseSm90Small & ~kFeatModel1Format & ~kFeatHeadDim512;
+constexpr uint32_t kSparseSm90Frag = kSparseSm90Small & ~(kFeatModel1Format | kFeatHeadDim512 | kFeatHeadsOver16);
 
 const std::vector<Implementation<DenseDecodeParams>> kDense = {
 #if defined(MLA_KERNELS_WITH_SM90A)

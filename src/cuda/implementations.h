@@ -38,8 +38,8 @@ cudaError_t sm90_dense_decode(const DenseDecodeParams& params, cudaStream_t stre
 cudaError_t sm90_dense_decode_small(const DenseDecodeParams& params, cudaStream_t stream);
 // At most 32 heads, both FP8 formats, every sparse feature.
 cudaError_t sm90_sparse_decode_small(const SparseDecodeParams& params, cudaStream_t stream);
-// At most 32 heads of the V3.2 format, every sparse feature; the keys dequantised into wgmma's
-// register operands (more than 16 heads: the small-heads kernel).
+// At most 16 heads of the V3.2 format, every sparse feature; the keys dequantised into wgmma's
+// register operands.
 cudaError_t sm90_sparse_decode_frag(const SparseDecodeParams& params, cudaStream_t stream);
 // Any number of heads (64 per CTA), both FP8 formats, every sparse feature.
 cudaError_t sm90_sparse_decode(const SparseDecodeParams& params, cudaStream_t stream);

@@ -57,19 +57,24 @@ TEST(Dispatch, RequiredFeaturesOfACall) {
   s.d_qk = 512, s.format = KvFormat::kModel1, s.h_q = 128;
   float sink = 0.f;
   s.attn_sink = &sink;
-  EXPECT_EQ(required_features(s),
-            kFeatBF16 | kFeatHeadDim512 | kFeatModel1Format | kFeatAttnSink | kFeatHeadsOver32 | kFeatHeadsOver64);
+  const uint32_t over16 = kFeatHeadsOver16;
+  EXPECT_EQ(required_features(s), kFeatBF16 | kFeatHeadDim512 | kFeatModel1Format | kFeatAttnSink | over16 |
+                                      kFeatHeadsOver32 | kFeatHeadsOver64);
   s.h_q = 48;
-  EXPECT_EQ(required_features(s), kFeatBF16 | kFeatHeadDim512 | kFeatModel1Format | kFeatAttnSink | kFeatHeadsOver32);
+  EXPECT_EQ(required_features(s),
+            kFeatBF16 | kFeatHeadDim512 | kFeatModel1Format | kFeatAttnSink | over16 | kFeatHeadsOver32);
   s.h_q = 32;
+  EXPECT_EQ(required_features(s), kFeatBF16 | kFeatHeadDim512 | kFeatModel1Format | kFeatAttnSink | over16);
+  s.h_q = 16;
   EXPECT_EQ(required_features(s), kFeatBF16 | kFeatHeadDim512 | kFeatModel1Format | kFeatAttnSink);
   DenseDecodeParams d;
   d.d_qk = 576, d.dtype = DType::kFP16, d.page_block_size = 16, d.s_q = 2, d.h_q = 16, d.h_k = 1, d.causal = true;
   EXPECT_EQ(required_features(d), kFeatFP16 | kFeatHeadDim576 | kFeatOtherPageSize | kFeatCausal);
   d.h_q = 32, d.h_k = 2;  // 2 x 16 rows per KV head
-  EXPECT_EQ(required_features(d), kFeatFP16 | kFeatHeadDim576 | kFeatOtherPageSize | kFeatCausal);
+  EXPECT_EQ(required_features(d), kFeatFP16 | kFeatHeadDim576 | kFeatOtherPageSize | kFeatCausal | over16);
   d.h_k = 1;  // 64 rows
-  EXPECT_EQ(required_features(d), kFeatFP16 | kFeatHeadDim576 | kFeatOtherPageSize | kFeatCausal | kFeatHeadsOver32);
+  EXPECT_EQ(required_features(d),
+            kFeatFP16 | kFeatHeadDim576 | kFeatOtherPageSize | kFeatCausal | over16 | kFeatHeadsOver32);
   EXPECT_EQ(feature_names(kFeatFP16 | kFeatCausal), "fp16, causal");
 }
 

@@ -315,7 +315,7 @@ __device__ void wgmma_rs_small(float (&d)[N / 2], const uint32_t (&a)[4], uint64
                  : ACC                                                                                    \
                  : "l"(desc_a), "l"(desc_b), "r"(scale_d));                                               \
   }
-// N = 16: accumulators %0-%7, A %8-%11, descriptor %12, scale %13; N = 32: %0-%15, %16-%19, %20, %21.
+// N = 16 (the only form used): accumulators %0-%7, A %8-%11, descriptor %12, scale %13.
 #define MLA_WGMMA_RS_SMALL(T, PT, N, REGS, ACC, A, B, SCALE)                                               \
   template <>                                                                                             \
   __device__ __forceinline__ void wgmma_rs_small<T, N>(float(&d)[N / 2], const uint32_t(&a)[4], uint64_t desc_b, \
@@ -327,8 +327,6 @@ __device__ void wgmma_rs_small(float (&d)[N / 2], const uint32_t (&a)[4], uint64
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));                \
   }
 MLA_WGMMA_RS_SMALL(__nv_bfloat16, "bf16", 16, MLA_WGMMA_REGS8, MLA_WGMMA_ACC8, "{%8, %9, %10, %11}", "%12", "%13")
-MLA_WGMMA_RS_SMALL(__nv_bfloat16, "bf16", 32, MLA_WGMMA_REGS16, MLA_WGMMA_ACC16, "{%16, %17, %18, %19}", "%20",
-                   "%21")
 #undef MLA_WGMMA_RS_SMALL
 MLA_WGMMA_SS_SMALL(__nv_bfloat16, "bf16", 16, 0, MLA_WGMMA_REGS8, MLA_WGMMA_ACC8, "%8", "%9", "%10")
 MLA_WGMMA_SS_SMALL(__half, "f16", 16, 0, MLA_WGMMA_REGS8, MLA_WGMMA_ACC8, "%8", "%9", "%10")

@@ -232,16 +232,13 @@ __device__ __forceinline__ void pv(const uint8_t* stage, const uint8_t* p, int w
 __device__ __forceinline__ void stage_q(const SparseDecodeParams& p, bool vec, int i, int s,
                                         uint8_t (*q)[kQTileBytes], int tid) {
   constexpr int kRowChunks = kQTiles * 8;  // 16-byte chunks of a head's row
-  constexpr int kPerThread = 9;
-  constexpr int kBatch = kPerThread * kProducerThreads;
-  static_assert(N * kRowChunks % kBatch == 0, "whole batches");
+  constexpr int kPerThread = N * kRowChunks / kProducerThreads;  // 9
+  static_assert(N * kRowChunks % kProducerThreads == 0, "whole chunks per thread");
   const uint16_t* src = p.q + i * p.q_stride_b + s * p.q_stride_s;
-#pragma unroll 1
-  for (int base = 0; base < N * kRowChunks; base += kBatch) {
   uint4 v[kPerThread];
 #pragma unroll
   for (int u = 0; u < kPerThread; ++u) {
-    const int id = base + tid + kProducerThreads * u, h = id / kRowChunks, cq = id % kRowChunks;
+    const int id = tid + kProducerThreads * u, h = id / kRowChunks, cq = id % kRowChunks;
     v[u] = make_uint4(0, 0, 0, 0);
     if (h < p.h_q) {
       const uint16_t* e = src + h * p.q_stride_h + cq * 8;
@@ -256,7 +253,7 @@ __device__ __forceinline__ void stage_q(const SparseDecodeParams& p, bool vec, i
   }
 #pragma unroll
   for (int u = 0; u < kPerThread; ++u) {
-    const int id = base + tid + kProducerThreads * u, h = id / kRowChunks, cq = id % kRowChunks, tile = cq / 8;
+    const int id = tid + kProducerThreads * u, h = id / kRowChunks, cq = id % kRowChunks, tile = cq / 8;
     const uint32_t x[4] = {v[u].x, v[u].y, v[u].z, v[u].w};
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
@@ -264,7 +261,6 @@ __device__ __forceinline__ void stage_q(const SparseDecodeParams& p, bool vec, i
       const int lw = tile < kQTiles - 1 ? q_word_nope(pw) : q_word_rope(pw);
       *reinterpret_cast<uint32_t*>(q[tile] + h * 128 + (((lw >> 2) ^ (h & 7)) << 4) + (lw & 3) * 4) = x[j];
     }
-  }
   }
 }
 
@@ -526,8 +522,8 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_frag_kernel(const _
 }  // namespace sm90_sparse_frag
 
 cudaError_t sm90_sparse_decode_frag(const SparseDecodeParams& p, cudaStream_t stream) {
-  if (p.format != KvFormat::kV32 || p.h_q > 32) return cudaErrorInvalidValue;  // the dispatch never sends them
-  if (p.h_q > sm90_sparse_frag::N) return sm90_sparse_decode_small(p, stream);
+  // The dispatch never sends them (kSparseSm90Frag).
+  if (p.format != KvFormat::kV32 || p.h_q > sm90_sparse_frag::N) return cudaErrorInvalidValue;
   // A fresh plan is made in the kernel, its part costs in two stages (the dispatcher sends more
   // parts than that holds to the planner kernel first).
   if (p.split.plan_fresh && p.split.num_sm_parts > kPlanMaxPartsIn64KB) return cudaErrorInvalidValue;
