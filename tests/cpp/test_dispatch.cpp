@@ -69,7 +69,10 @@ TEST(Dispatch, RequiredFeaturesOfACall) {
   EXPECT_EQ(required_features(s), kFeatBF16 | kFeatHeadDim512 | kFeatModel1Format | kFeatAttnSink);
   DenseDecodeParams d;
   d.d_qk = 576, d.dtype = DType::kFP16, d.page_block_size = 16, d.s_q = 2, d.h_q = 16, d.h_k = 1, d.causal = true;
-  EXPECT_EQ(required_features(d), kFeatFP16 | kFeatHeadDim576 | kFeatOtherPageSize | kFeatCausal);
+  EXPECT_EQ(required_features(d), kFeatFP16 | kFeatHeadDim576 | kFeatOtherPageSize | kFeatCausal | over16);  // 32 rows
+  d.s_q = 1;  // 16 rows
+  EXPECT_EQ(required_features(d), kFeatFP16 | kFeatHeadDim576 | kFeatOtherPageSize);
+  d.s_q = 2;
   d.h_q = 32, d.h_k = 2;  // 2 x 16 rows per KV head
   EXPECT_EQ(required_features(d), kFeatFP16 | kFeatHeadDim576 | kFeatOtherPageSize | kFeatCausal | over16);
   d.h_k = 1;  // 64 rows
