@@ -78,6 +78,9 @@
 // FlashMLA's epilogue (the output staged in shared memory, one bulk copy per row half) was slower
 // everywhere (reused s_k=512 0.91x -> 0.89x of FlashMLA, b=1 s_k=512 12.4 -> 14.1 us); a tensor-map
 // prefetch at kernel start and Q issued before the piece's lengths were level (twenty-sixth session).
+// One TMA store of a whole piece's tile staged in K1 (eight boxes, the next second block loaded
+// after) took 1-2 us off b=128 s_k=512 but the build lost 2-4% at b=1..8 (247 -> 255 registers);
+// the fp32 partials staged in both key buffers were slower everywhere (twenty-seventh session).
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <cuda_runtime.h>
