@@ -1,5 +1,6 @@
 // CHECK(call): a CUDA runtime call that must succeed, else the program prints it with the error and
-// exits. Shared by the stand-alone measuring programs in bench/.
+// exits; clock_now(): the SM's cycle counter, read in order with the code around it. Shared by the
+// stand-alone measuring programs in bench/.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -15,3 +16,11 @@
       std::exit(1);                                                \
     }                                                              \
   } while (0)
+
+#ifdef __CUDACC__
+__device__ __forceinline__ long long clock_now() {
+  long long t;
+  asm volatile("mov.u64 %0, %%clock64;\n" : "=l"(t)::"memory");
+  return t;
+}
+#endif

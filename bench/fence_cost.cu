@@ -30,12 +30,6 @@ constexpr int kModes = 4;
 const char* const kNames[kModes] = {"nothing", "fence.proxy.async.shared::cta", "fence.cta.acq_rel",
                                     "first use of the loads"};
 
-__device__ __forceinline__ long long clock_now() {
-  long long t;
-  asm volatile("mov.u64 %0, %%clock64;\n" : "=l"(t)::"memory");
-  return t;
-}
-
 __global__ void fence_cost(const uint4* src, size_t stride, int mode, long long* cycles, uint4* sink) {
   __shared__ uint4 buf[kThreads];
   const int tid = threadIdx.x, g = blockIdx.x * kThreads + tid;

@@ -28,12 +28,6 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kReps = 64;
 
-__device__ __forceinline__ long long clock_now() {
-  long long t;
-  asm volatile("mov.u64 %0, %%clock64;\n" : "=l"(t)::"memory");
-  return t;
-}
-
 // kGroups groups of four FFMAs; kVariant changes the operand order, so that two variants are two
 // different instruction streams.
 template <int kGroups, int kVariant>

@@ -75,8 +75,9 @@
 // blocks at a piece's start, was slower (b=128 s_k=512 reused 48.3 -> 52.7 us; twenty-fourth session).
 // With plans reused it is the attention kernel alone that trails (profiled apart: 43.1 against 41.4
 // us at s_k=512, 262.8 against 252.2 at varlen); the combine is level or faster.
-// FlashMLA's epilogue (the output staged in shared memory, one bulk copy per row half) was slower
-// everywhere (reused s_k=512 0.91x -> 0.89x of FlashMLA, b=1 s_k=512 12.4 -> 14.1 us); a tensor-map
+// FlashMLA's epilogue order (the output staged in shared memory and stored before the next blocks
+// load), with one bulk copy per row half, was slower everywhere (reused s_k=512 0.91x -> 0.89x of
+// FlashMLA, b=1 s_k=512 12.4 -> 14.1 us); a tensor-map
 // prefetch at kernel start and Q issued before the piece's lengths were level (twenty-sixth session).
 // One TMA store of a whole piece's tile staged in K1 (eight boxes, the next second block loaded
 // after) took 1-2 us off b=128 s_k=512 but the build lost 2-4% at b=1..8 (247 -> 255 registers);
