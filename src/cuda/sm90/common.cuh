@@ -44,9 +44,11 @@ __device__ __forceinline__ void wait_then_plan(const DecodeSplit& split, const D
 }
 
 // Tiles [t0, t1) (64 columns each) of the 64-key block in page `page` of KV head `group`, by TMA
-// into tiles[t], each completing on full[t].
+// into tiles[t], each completing on full[t]. One thread issues, so the loop stays rolled: unrolled,
+// each TMA (with the loop that makes its operands uniform) is 200 bytes of code at every call site.
 __device__ __forceinline__ void issue_key_tiles(uint8_t (*tiles)[64 * 128], uint64_t* full, const CUtensorMap* map,
                                                 int page, int group, int t0, int t1, uint64_t policy) {
+#pragma unroll 1
   for (int t = t0; t < t1; ++t) {
     mbar_expect_tx(&full[t], 64 * 128);
     tma_load_4d(tiles[t], map, &full[t], t * 64, group, 0, page, policy);

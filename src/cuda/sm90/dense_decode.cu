@@ -209,14 +209,15 @@ __device__ __forceinline__ void qk_issue(Smem<D>& sm, int buf, uint32_t parity, 
 
 // Zeroes key rows [valid, 64) of V tiles [t0, t0 + 4) of `buf` (the garbage, maybe NaN, past a
 // request's length in its last page: P is 0 there, but 0 * NaN is not), then makes the writes
-// visible to wgmma for the whole warpgroup.
+// visible to wgmma for the whole warpgroup. Lane l of a warp clears 16-byte chunk l % 8 of tile
+// t0 + l / 8 in every fourth row from valid + warp (a whole row either way, so the swizzle does not
+// matter), which needs no division by the row count: a division's inlined sequence at each of the
+// four call sites made the masked pairs of varlen calls slower.
 template <int D>
 __device__ __forceinline__ void zero_v_tail(Smem<D>& sm, int buf, int t0, int valid, int wtid, int bar) {
-  const int rows = kBlockN - valid;
-  for (int c = wtid; c < rows * kVTilesPerWg * 8; c += 128) {
-    const int t = t0 + c / (rows * 8), r = valid + (c / 8) % rows;
-    *reinterpret_cast<uint4*>(sm.k[buf][t] + r * 128 + (c % 8) * 16) = make_uint4(0, 0, 0, 0);
-  }
+  uint8_t* chunk = sm.k[buf][t0 + (wtid % 32) / 8] + (wtid % 8) * 16;
+  for (int r = valid + wtid / 32; r < kBlockN; r += 4)
+    *reinterpret_cast<uint4*>(chunk + r * 128) = make_uint4(0, 0, 0, 0);
   fence_proxy_async();
   named_sync(bar, 128);
 }
@@ -295,6 +296,7 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_kernel(const __grid_
     if (args.q_by_tma) {
       if (tid == 0) {
         mbar_expect_tx(&sm.q_full, kTiles * kTileBytes);
+#pragma unroll 1
         for (int t = 0; t < kTiles; ++t)
           tma_load_4d(sm.q[t], &args.qmap, &sm.q_full, t * kTileCols, row_base, group, x.req, policy);
       }
