@@ -60,19 +60,36 @@ __device__ __forceinline__ void store4(__half* dst, float4 v) {
 
 template <typename OutT, int kQuarters>
 __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) combine_kernel(CombineParams p) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  cudaGridDependencySynchronize();  // the attention kernel's partials are complete
-#endif
   constexpr int kBatch = kLoadsInFlight / kQuarters;  // splits per batch of loads
   static_assert(kBatch * kQuarters == kLoadsInFlight && kWarpSize % kBatch == 0, "a batch never crosses a 32-split round");
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
   const int i = blockIdx.x / p.s_q, s = blockIdx.x % p.s_q;
   const int h = blockIdx.y * kHeadsPerCta + warp;
   if (h >= p.h_q) return;
-  const int first = p.split.num_splits[i];
-  const int n = p.split.num_splits[i + 1] - first;
+  // A plan made before this call is final before the call's attention kernel starts (every kernel
+  // before that one has completed): its num_splits is read before the wait, and the CTAs of whole
+  // requests (all of this CTA's warps have one request) leave without waiting for the attention
+  // kernel, while it still runs where it released its dependents early. A fresh plan's num_splits
+  // is the attention kernel's output.
+  const bool plan_ready = !p.split.plan_fresh;
+  int first = 0, n = 0;
+  auto read_splits = [&] {
+    first = p.split.num_splits[i];
+    n = p.split.num_splits[i + 1] - first;
+  };
   // Split rows live in [0, b + num_sm_parts): a foreign num_splits must not read outside them.
-  if (n <= 1 || first < 0 || first + n > p.b + p.split.num_sm_parts) return;
+  auto whole_or_foreign = [&] { return n <= 1 || first < 0 || first + n > p.b + p.split.num_sm_parts; };
+  if (plan_ready) {
+    read_splits();
+    if (whole_or_foreign()) return;
+  }
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  cudaGridDependencySynchronize();  // the attention kernel's partials are complete
+#endif
+  if (!plan_ready) {
+    read_splits();
+    if (whole_or_foreign()) return;
+  }
   auto row = [&](int k) { return (int64_t(first + k) * p.s_q + s) * p.h_q + h; };
   // This warp's quarters are blockIdx.z, blockIdx.z + gridDim.z, ... (gridDim.z * kQuarters == kColumnGroups).
   int col[kQuarters];
