@@ -612,7 +612,9 @@ cudaError_t launch(const DenseDecodeParams& p, cudaStream_t stream) {
   // parts: a few long requests have few combine CTAs, each with many splits to merge, and launched
   // early they pile onto the SMs that finish first (b=2 s_k=65536 72.4 -> 76.7 us, b=4 s_k=8192
   // 32.4 -> 34.1 with the plan reused; b=128 s_k=512 47.7 -> 43.6, H200, twenty-eighth session).
-  args.release_early = p.b * p.s_q >= p.split.num_sm_parts;
+  // And only at s_q = 1: the s_q = 2 causal call (b=128, four row tiles, 33 parts) gains nothing
+  // from it (plan reused 958.7 / 955.0 us with it, 952.6 / 943.9 without, twenty-ninth session).
+  args.release_early = p.s_q == 1 && p.b >= p.split.num_sm_parts;
 
   constexpr int smem = int(sizeof(Smem<D>)) + 1024;  // + alignment of the tiles to 1024 bytes
   static_assert(smem <= 227 * 1024, "Q, both key buffers and P fit the 227 KB an sm90 block may use");
