@@ -82,6 +82,14 @@
 // One TMA store of a whole piece's tile staged in K1 (eight boxes, the next second block loaded
 // after) took 1-2 us off b=128 s_k=512 but the build lost 2-4% at b=1..8 (247 -> 255 registers);
 // the fp32 partials staged in both key buffers were slower everywhere (twenty-seventh session).
+// Not the code size either: a call runs 66 KB of this kernel's 189 KB of SASS (FlashMLA's 80 KB),
+// within the SM's 128-160 KB instruction cache (bench/icache_probe.cu). The reused small calls
+// lost between the kernels: the combine now leaves at once for unsplit requests of a plan made
+// before the call, and at s_q = 1 with requests >= parts this kernel releases it at each CTA's last
+// piece (launch()): b=128 s_k=512 reused 0.91x -> 0.99-1.00x of FlashMLA, b=8 s_k=1024 0.95x ->
+// 1.04x. Whole calls, twenty-eighth session: varlen 248.8 us (FlashMLA 261.3, 1.05x), causal 938.4
+// (901.8, 0.96x; 0.98x in the twenty-ninth), h_q=16 298.4 (94.7% of copy), b=128 s_k=512 52.0
+// (66.9, 1.29x), b=1..8 1.10-1.53x.
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <cuda_runtime.h>
