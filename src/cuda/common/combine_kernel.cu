@@ -66,30 +66,23 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) combine_kernel(Combin
   const int i = blockIdx.x / p.s_q, s = blockIdx.x % p.s_q;
   const int h = blockIdx.y * kHeadsPerCta + warp;
   if (h >= p.h_q) return;
-  // A plan made before this call is final before the call's attention kernel starts (every kernel
-  // before that one has completed): its num_splits is read before the wait, and the CTAs of whole
-  // requests (all of this CTA's warps have one request) leave without waiting for the attention
-  // kernel, while it still runs where it released its dependents early. A fresh plan's num_splits
-  // is the attention kernel's output.
-  const bool plan_ready = !p.split.plan_fresh;
-  int first = 0, n = 0;
-  auto read_splits = [&] {
-    first = p.split.num_splits[i];
-    n = p.split.num_splits[i + 1] - first;
-  };
-  // Split rows live in [0, b + num_sm_parts): a foreign num_splits must not read outside them.
-  auto whole_or_foreign = [&] { return n <= 1 || first < 0 || first + n > p.b + p.split.num_sm_parts; };
-  if (plan_ready) {
-    read_splits();
-    if (whole_or_foreign()) return;
-  }
+  // A fresh plan's num_splits is the attention kernel's output: read after the wait. A plan made
+  // before this call is complete before this kernel can launch (every attention CTA passes its own
+  // dependency wait before it releases this kernel): read first, so that the CTAs of whole requests
+  // (all of this CTA's warps have one request) leave without waiting, while the attention kernel
+  // still runs where it released this kernel early.
+  auto wait_for_partials = [] {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  cudaGridDependencySynchronize();  // the attention kernel's partials are complete
+    cudaGridDependencySynchronize();  // the attention kernel's partials are complete
 #endif
-  if (!plan_ready) {
-    read_splits();
-    if (whole_or_foreign()) return;
-  }
+  };
+  const bool plan_fresh = p.split.plan_fresh;
+  if (plan_fresh) wait_for_partials();
+  const int first = p.split.num_splits[i];
+  const int n = p.split.num_splits[i + 1] - first;
+  // Split rows live in [0, b + num_sm_parts): a foreign num_splits must not read outside them.
+  if (n <= 1 || first < 0 || first + n > p.b + p.split.num_sm_parts) return;
+  if (!plan_fresh) wait_for_partials();
   auto row = [&](int k) { return (int64_t(first + k) * p.s_q + s) * p.h_q + h; };
   // This warp's quarters are blockIdx.z, blockIdx.z + gridDim.z, ... (gridDim.z * kQuarters == kColumnGroups).
   int col[kQuarters];

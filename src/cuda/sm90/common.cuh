@@ -23,7 +23,7 @@ struct DenseArgs {
   CUtensorMap qmap;       // the queries, where q_by_tma (kv_tensor_map.h)
   bool q_by_tma = false;  // else the kernel copies Q's rows itself (stage_q)
   // Each CTA releases its dependent (the combine) at the start of its last piece rather than at its
-  // exit (sm90_dense_decode says when).
+  // exit (launch() in dense_decode.cu says when).
   bool release_early = false;
   DenseDecodeParams p;
 };
