@@ -9,7 +9,7 @@ FLOPs = 2 * h_q * s_q * sum(attended keys) * (d_qk + d_v); bytes = q + attended 
 
 Usage: python3 bench/bench_decode.py [--cases NAME,...] [--no-torch] [--impls default,portable]
                                      [--env VAR=a,b] [--flashmla DIR] [--reuse-plan] [--kernels]
-                                     [--between copy|gemm]
+                                     [--between copy|gemm] [--sustained SECONDS]
 
 NAME is a case of CASES, or any dense shape spelled the same way:
 dense_b<b>[_sq<s_q>]_h<h_q>_sk<s_k>[_causal][_varlen] (all lengths s_k unless _varlen; a name in
@@ -26,14 +26,22 @@ attention, combine), from torch.profiler.
 --between times each replay right after other work (a 1 GiB copy or a large matmul), as an attention
 call runs between a layer's other kernels, rather than on a GPU whose caches still hold the previous
 replay's data and whose clocks have idled.
+--sustained SECONDS also times each graph alone, as an engine runs one library: after 2 s idle, its
+replays back to back for SECONDS, and prints the median time per call over the window's second
+half, the energy per call (NVML's energy counter over the window) and the median SM clock. Under a
+sustained load the card holds its power limit (700 W on an H200) by lowering its clocks, so a call
+that takes more energy runs at lower clocks: alternated replays share one clock between the
+libraries and hide that.
 """
 
 import argparse
+import ctypes
 import math
 import os
 import re
 import statistics
 import sys
+import time
 import warnings
 import zlib
 
@@ -136,6 +144,64 @@ def between_graph(kind):
     # the next capture's empty_cache would hand the memory back while the graph still uses it).
     graph.operands = operands
     return graph
+
+
+class Nvml:
+    """The driver's NVML library (libnvidia-ml, which every driver install ships) through ctypes:
+    the card's energy counter and SM clock."""
+
+    def __init__(self, index=None):
+        try:
+            self.lib = ctypes.CDLL("libnvidia-ml.so.1")
+        except OSError as e:
+            raise SystemExit(f"--sustained needs the driver's NVML library (libnvidia-ml.so.1): {e}")
+        if self.lib.nvmlInit_v2() != 0:
+            raise SystemExit("--sustained: nvmlInit failed")
+        self.handle = ctypes.c_void_p()
+        index = torch.cuda.current_device() if index is None else index
+        if self.lib.nvmlDeviceGetHandleByIndex_v2(index, ctypes.byref(self.handle)) != 0:
+            raise SystemExit(f"--sustained: no NVML device {index}")
+
+    def energy_mj(self):
+        """Energy used by the card since the driver loaded, millijoules."""
+        value = ctypes.c_ulonglong()
+        if self.lib.nvmlDeviceGetTotalEnergyConsumption(self.handle, ctypes.byref(value)) != 0:
+            raise SystemExit("--sustained: the card reports no energy counter")
+        return value.value
+
+    def sm_clock_mhz(self):
+        value = ctypes.c_uint()
+        self.lib.nvmlDeviceGetClockInfo(self.handle, 1, ctypes.byref(value))  # NVML_CLOCK_SM
+        return value.value
+
+
+def sustained_summary(us_per_call, clocks_mhz, energy_mj, calls):
+    """(median us per call, mJ per call, median MHz) of one sustained window: the times and clocks
+    of its replays in order (their second half, once the clocks have settled), the energy counter's
+    rise over the whole window and the calls it ran."""
+    if not us_per_call or len(us_per_call) != len(clocks_mhz) or calls <= 0:
+        raise ValueError("a sustained window needs one time and one clock per replay, and calls")
+    half = len(us_per_call) // 2
+    return (statistics.median(us_per_call[half:]), energy_mj / calls, statistics.median(clocks_mhz[half:]))
+
+
+def time_sustained(graph, nvml, seconds, calls=10, idle=2.0):
+    """One graph alone: idle, then replays back to back for `seconds` (sustained_summary)."""
+    torch.cuda.synchronize()
+    time.sleep(idle)
+    times, clocks = [], []
+    e0, t_end = nvml.energy_mj(), time.time() + seconds
+    start = torch.cuda.Event(enable_timing=True)
+    start.record()
+    while time.time() < t_end:
+        end = torch.cuda.Event(enable_timing=True)
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls * 1e3)
+        clocks.append(nvml.sm_clock_mhz())
+        start = end
+    return sustained_summary(times, clocks, nvml.energy_mj() - e0, len(times) * calls)
 
 
 def time_call(fn, calls=10, replays=20):
@@ -386,7 +452,11 @@ def main():
     parser.add_argument("--between", choices=["copy", "gemm"],
                         help="replay other work (a 1 GiB copy, or an 8192^3 bf16 matmul) before each timed "
                              "replay, as the layers around an attention call leave the GPU")
+    parser.add_argument("--sustained", type=float, metavar="SECONDS",
+                        help="also time each graph alone, its replays back to back for SECONDS after 2 s "
+                             "idle: time per call, energy per call and SM clock under the card's power limit")
     args = parser.parse_args()
+    nvml = Nvml() if args.sustained else None
     global REUSE_PLAN, BETWEEN
     REUSE_PLAN = args.reuse_plan
     BETWEEN = between_graph(args.between) if args.between else None
@@ -430,10 +500,12 @@ def main():
             graphs.append(capture(ours))
         set_env(saved)
         times = time_graphs(graphs)
+        alone = [time_sustained(g, nvml, args.sustained) for g in graphs] if nvml else []
         breakdown = []
         if args.kernels:
             labels = ([] if g_fm is None else ["FlashMLA"]) + [f"ours [{v}]" if v else "ours" for v, _, _ in variants]
             breakdown = [(label, kernel_times(g)) for label, g in zip(labels, graphs)]
+        fm_alone = alone.pop(0) if alone and g_fm is not None else None
         if g_fm is not None:
             t_fm = times.pop(0)
         del graphs, g_fm, theirs
@@ -451,6 +523,11 @@ def main():
                     f"{100 * gbps / COPY_GBPS:5.1f}% {t_torch:10.1f} {t_torch / t:7.2f}x")
             if fm:
                 line += f" {t_fm:12.1f} {t_fm / t:11.2f}x"
+            print(line, flush=True)
+        for (variant, _, _), (us, mj, mhz) in zip(variants, alone):
+            line = f"#   alone for {args.sustained:g} s: {name}{f' [{variant}]' if variant else ''} {us:.1f} us, {mj:.1f} mJ, {mhz:.0f} MHz"
+            if fm_alone:
+                line += f"; FlashMLA {fm_alone[0]:.1f} us, {fm_alone[1]:.1f} mJ, {fm_alone[2]:.0f} MHz; {fm_alone[0] / us:.2f}x"
             print(line, flush=True)
         for label, kernels in breakdown:
             print(f"#   {label}: " + ", ".join(f"{k} {us:.1f}" for k, us in kernels) + " us per call", flush=True)

@@ -100,3 +100,40 @@ def test_kernels_flag_prints_each_graphs_kernels_after_the_case(monkeypatch, cap
                             "#   ours [MLA_TEST_SWITCH=0]: attn2 92.0, combine 9.0 us per call",
                             "#   ours [MLA_TEST_SWITCH=1]: attn3 93.0, combine 9.0 us per call"]
     assert out.index(kernel_lines[0]) > max(i for i, line in enumerate(out) if line.startswith("a "))
+
+
+def test_sustained_summary_takes_the_second_half_and_divides_the_energy_by_the_calls():
+    # The clocks fall as the card reaches its power limit: the first half (cold, fast) is left out.
+    us = [800.0, 801.0, 802.0, 900.0, 980.0, 975.0, 990.0, 985.0]
+    mhz = [1980, 1980, 1900, 1700, 1500, 1490, 1510, 1480]
+    t, mj, clock = B.sustained_summary(us, mhz, energy_mj=5536.0, calls=80)
+    assert t == 982.5 and clock == 1495 and mj == pytest.approx(69.2)
+    with pytest.raises(ValueError):
+        B.sustained_summary(us, mhz[:-1], 1.0, 80)
+    with pytest.raises(ValueError):
+        B.sustained_summary([], [], 1.0, 80)
+
+
+def test_sustained_flag_times_each_graph_alone_and_prints_both_libraries(monkeypatch, capsys):
+    """--sustained: every graph (FlashMLA's, then each variant of ours) gets its own window after the
+    alternation; the line of each variant gives its time, energy and clock beside FlashMLA's."""
+    monkeypatch.setattr(B, "case_by_name", lambda name: lambda api=None: ((lambda: None), None, 1e9, 1e9))
+    monkeypatch.setattr(B, "load_flashmla", lambda path: object())
+    monkeypatch.setattr(B, "Nvml", lambda: "nvml")
+    graphs = iter(range(1, 10))
+    monkeypatch.setattr(B, "capture", lambda fn, calls=10: next(graphs))
+    monkeypatch.setattr(B, "time_graphs", lambda gs, calls=10, replays=20: [100.0 + g for g in gs])
+    alone = []
+    monkeypatch.setattr(B, "time_sustained", lambda g, nvml, seconds: alone.append((g, nvml, seconds)) or
+                        (1000.0 - 50 * g, 700.0 - 10 * g, 1500 + g))
+    monkeypatch.setattr(B.torch.cuda, "get_device_name", lambda: "test")
+    monkeypatch.setattr(B.torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(B.sys, "argv", ["bench_decode.py", "--cases", "a", "--no-torch", "--impls", "default,portable",
+                                        "--flashmla", "dir", "--sustained", "3"])
+    B.main()
+    assert alone == [(1, "nvml", 3.0), (2, "nvml", 3.0), (3, "nvml", 3.0)]
+    lines = [line for line in capsys.readouterr().out.splitlines() if "alone" in line]
+    assert lines == [
+        "#   alone for 3 s: a [default] 900.0 us, 680.0 mJ, 1502 MHz; FlashMLA 950.0 us, 690.0 mJ, 1501 MHz; 1.06x",
+        "#   alone for 3 s: a [portable] 850.0 us, 670.0 mJ, 1503 MHz; FlashMLA 950.0 us, 690.0 mJ, 1501 MHz; 1.12x",
+    ]
