@@ -89,7 +89,12 @@
 // piece (launch()): b=128 s_k=512 reused 0.91x -> 0.99-1.00x of FlashMLA, b=8 s_k=1024 0.95x ->
 // 1.04x. Whole calls, twenty-eighth session: varlen 248.8 us (FlashMLA 261.3, 1.05x), causal 938.4
 // (901.8, 0.96x; 0.98x in the twenty-ninth), h_q=16 298.4 (94.7% of copy), b=128 s_k=512 52.0
-// (66.9, 1.29x), b=1..8 1.10-1.53x.
+// (66.9, 1.29x), b=1..8 1.10-1.53x. Each library alone for seconds (bench_decode.py --sustained,
+// thirtieth session), the card holds its 700 W limit by its clocks, so time follows energy. The
+// causal call takes 692-722 mJ against FlashMLA's 645-657 and runs at 0.92-0.93x (2.7% behind from
+// cold). Ours issues fewer instructions (155 against 196 M) but moves 1.7-2.3x the bytes through
+// L2. The two kernels' row tiles get the same keys by TMA; FlashMLA's L2 sees each key once, ours
+// 1.4 times at s_q = 1, although sibling tiles start each pair within 0.03 us of each other.
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <cuda_runtime.h>
