@@ -150,17 +150,19 @@ class Nvml:
     """The driver's NVML library (libnvidia-ml, which every driver install ships) through ctypes:
     the card's energy counter and SM clock."""
 
-    def __init__(self, index=None):
+    def __init__(self):
         try:
             self.lib = ctypes.CDLL("libnvidia-ml.so.1")
         except OSError as e:
             raise SystemExit(f"--sustained needs the driver's NVML library (libnvidia-ml.so.1): {e}")
         if self.lib.nvmlInit_v2() != 0:
             raise SystemExit("--sustained: nvmlInit failed")
+        # NVML numbers every GPU of the machine and CUDA only the visible ones
+        # (CUDA_VISIBLE_DEVICES): the card is found by its PCI address.
+        bus_id = pci_bus_id(torch.cuda.get_device_properties(torch.cuda.current_device()))
         self.handle = ctypes.c_void_p()
-        index = torch.cuda.current_device() if index is None else index
-        if self.lib.nvmlDeviceGetHandleByIndex_v2(index, ctypes.byref(self.handle)) != 0:
-            raise SystemExit(f"--sustained: no NVML device {index}")
+        if self.lib.nvmlDeviceGetHandleByPciBusId_v2(bus_id.encode(), ctypes.byref(self.handle)) != 0:
+            raise SystemExit(f"--sustained: NVML knows no device at PCI address {bus_id}")
 
     def energy_mj(self):
         """Energy used by the card since the driver loaded, millijoules."""
@@ -173,6 +175,11 @@ class Nvml:
         value = ctypes.c_uint()
         self.lib.nvmlDeviceGetClockInfo(self.handle, 1, ctypes.byref(value))  # NVML_CLOCK_SM
         return value.value
+
+
+def pci_bus_id(props):
+    """A CUDA device's PCI address as NVML spells it ("domain:bus:device.0", hexadecimal)."""
+    return f"{props.pci_domain_id:08x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
 
 
 def sustained_summary(us_per_call, clocks_mhz, energy_mj, calls):

@@ -137,3 +137,11 @@ def test_sustained_flag_times_each_graph_alone_and_prints_both_libraries(monkeyp
         "#   alone for 3 s: a [default] 900.0 us, 680.0 mJ, 1502 MHz; FlashMLA 950.0 us, 690.0 mJ, 1501 MHz; 1.06x",
         "#   alone for 3 s: a [portable] 850.0 us, 670.0 mJ, 1503 MHz; FlashMLA 950.0 us, 690.0 mJ, 1501 MHz; 1.12x",
     ]
+
+
+def test_the_card_is_named_to_nvml_by_its_pci_address():
+    """NVML counts every GPU and CUDA only the visible ones: the address, not an index, names the card."""
+    props = type("Props", (), {"pci_domain_id": 0, "pci_bus_id": 0x19, "pci_device_id": 0})()
+    assert B.pci_bus_id(props) == "00000000:19:00.0"
+    props.pci_domain_id, props.pci_bus_id, props.pci_device_id = 1, 0xC5, 0x1F
+    assert B.pci_bus_id(props) == "00000001:c5:1f.0"
