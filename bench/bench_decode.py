@@ -173,7 +173,8 @@ class Nvml:
 
     def sm_clock_mhz(self):
         value = ctypes.c_uint()
-        self.lib.nvmlDeviceGetClockInfo(self.handle, 1, ctypes.byref(value))  # NVML_CLOCK_SM
+        if self.lib.nvmlDeviceGetClockInfo(self.handle, 1, ctypes.byref(value)) != 0:  # NVML_CLOCK_SM
+            raise SystemExit("--sustained: the card reports no SM clock")
         return value.value
 
 
@@ -463,6 +464,8 @@ def main():
                         help="also time each graph alone, its replays back to back for SECONDS after 2 s "
                              "idle: time per call, energy per call and SM clock under the card's power limit")
     args = parser.parse_args()
+    if args.sustained is not None and not args.sustained > 0:
+        parser.error(f"--sustained {args.sustained:g}: the window must last more than 0 seconds")
     nvml = Nvml() if args.sustained else None
     global REUSE_PLAN, BETWEEN
     REUSE_PLAN = args.reuse_plan

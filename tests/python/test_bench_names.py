@@ -145,3 +145,12 @@ def test_the_card_is_named_to_nvml_by_its_pci_address():
     assert B.pci_bus_id(props) == "00000000:19:00.0"
     props.pci_domain_id, props.pci_bus_id, props.pci_device_id = 1, 0xC5, 0x1F
     assert B.pci_bus_id(props) == "00000001:c5:1f.0"
+
+
+@pytest.mark.parametrize("seconds", ["0", "-1", "nan"])
+def test_sustained_windows_of_no_time_are_refused(seconds, monkeypatch, capsys):
+    monkeypatch.setattr(B, "Nvml", lambda: pytest.fail("NVML opened for a refused window"))
+    monkeypatch.setattr(B.sys, "argv", ["bench_decode.py", "--sustained", seconds])
+    with pytest.raises(SystemExit):
+        B.main()
+    assert "--sustained" in capsys.readouterr().err
