@@ -28,7 +28,7 @@ call runs between a layer's other kernels, rather than on a GPU whose caches sti
 replay's data and whose clocks have idled.
 --sustained SECONDS also times each graph alone, as an engine runs one library: after 2 s idle, its
 replays back to back for SECONDS, and prints the median time per call over the window's second
-half, the energy per call (NVML's energy counter over the window) and the median SM clock. Under a
+half, the energy per call (NVML's energy counter over that half) and the median SM clock. Under a
 sustained load the card holds its power limit (700 W on an H200) by lowering its clocks, so a call
 that takes more energy runs at lower clocks: alternated replays share one clock between the
 libraries and hide that.
@@ -183,33 +183,44 @@ def pci_bus_id(props):
     return f"{props.pci_domain_id:08x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
 
 
-def sustained_summary(us_per_call, clocks_mhz, energy_mj, calls):
-    """(median us per call, mJ per call, median MHz) of one sustained window: the times and clocks
-    of its replays in order (their second half, once the clocks have settled), the energy counter's
-    rise over the whole window and the calls it ran."""
-    if not us_per_call or len(us_per_call) != len(clocks_mhz) or calls <= 0:
-        raise ValueError("a sustained window needs one time and one clock per replay, and calls")
-    half = len(us_per_call) // 2
-    return (statistics.median(us_per_call[half:]), energy_mj / calls, statistics.median(clocks_mhz[half:]))
+def sustained_summary(us_per_call, clocks_mhz, start, energy_mj, calls):
+    """(median us per call, mJ per call, median MHz) of one sustained window's second half, once the
+    clocks have settled: the time and SM clock of each replay in order, the first replay of the
+    second half, the energy counter's rise over the second half and the calls a replay runs."""
+    n = len(us_per_call)
+    if len(clocks_mhz) != n or not 0 < start < n or calls <= 0:
+        raise ValueError("a sustained window needs a time and a clock for each replay, a second half of "
+                         "one or more replays after a first, and calls")
+    return (statistics.median(us_per_call[start:]), energy_mj / ((n - start) * calls),
+            statistics.median(clocks_mhz[start:]))
 
 
 def time_sustained(graph, nvml, seconds, calls=10, idle=2.0):
-    """One graph alone: idle, then replays back to back for `seconds` (sustained_summary)."""
+    """One graph alone: idle, then replays back to back for `seconds` (sustained_summary). The
+    energy counter is read once halfway and once at the end: a reading takes milliseconds, which
+    the GPU would spend idle between replays."""
     torch.cuda.synchronize()
     time.sleep(idle)
     times, clocks = [], []
-    e0, t_end = nvml.energy_mj(), time.time() + seconds
+    t_mid = time.time() + seconds / 2
+    t_end = t_mid + seconds / 2
+    half, e_half = None, None
     start = torch.cuda.Event(enable_timing=True)
     start.record()
-    while time.time() < t_end:
+    while time.time() < t_end or half is None or len(times) <= half:
         end = torch.cuda.Event(enable_timing=True)
         graph.replay()
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) / calls * 1e3)
         clocks.append(nvml.sm_clock_mhz())
+        if half is None and time.time() >= t_mid:
+            half, e_half = len(times), nvml.energy_mj()
+            # The reading's pause is not a replay's time: the next replay is timed from its start.
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
         start = end
-    return sustained_summary(times, clocks, nvml.energy_mj() - e0, len(times) * calls)
+    return sustained_summary(times, clocks, half, nvml.energy_mj() - e_half, calls)
 
 
 def time_call(fn, calls=10, replays=20):

@@ -102,16 +102,63 @@ def test_kernels_flag_prints_each_graphs_kernels_after_the_case(monkeypatch, cap
     assert out.index(kernel_lines[0]) > max(i for i, line in enumerate(out) if line.startswith("a "))
 
 
-def test_sustained_summary_takes_the_second_half_and_divides_the_energy_by_the_calls():
-    # The clocks fall as the card reaches its power limit: the first half (cold, fast) is left out.
+def test_sustained_summary_takes_the_second_half_and_divides_its_energy_by_its_calls():
+    # The clocks fall as the card reaches its power limit: the first half (cold, fast) is left out,
+    # its energy too (2800 mJ is the counter's rise over the last four replays of 10 calls).
     us = [800.0, 801.0, 802.0, 900.0, 980.0, 975.0, 990.0, 985.0]
     mhz = [1980, 1980, 1900, 1700, 1500, 1490, 1510, 1480]
-    t, mj, clock = B.sustained_summary(us, mhz, energy_mj=5536.0, calls=80)
-    assert t == 982.5 and clock == 1495 and mj == pytest.approx(69.2)
+    t, per_call, clock = B.sustained_summary(us, mhz, 4, 2800.0, calls=10)
+    assert t == 982.5 and clock == 1495 and per_call == pytest.approx(70.0)
     with pytest.raises(ValueError):
-        B.sustained_summary(us, mhz[:-1], 1.0, 80)
+        B.sustained_summary(us, mhz[:-1], 4, 2800.0, 10)
+    for start in (0, 8):
+        with pytest.raises(ValueError):
+            B.sustained_summary(us, mhz, start, 2800.0, 10)
     with pytest.raises(ValueError):
-        B.sustained_summary([], [], 1.0, 80)
+        B.sustained_summary(us, mhz, 4, 2800.0, 0)
+
+
+def test_time_sustained_reads_the_energy_halfway_and_at_the_end(monkeypatch):
+    """The energy counter is read twice, halfway through the window and after its last replay, and
+    the pause of the halfway reading is no replay's time (stand-ins: every replay takes 1 s of the
+    clock and adds 700 mJ, a reading takes 8 s)."""
+    now = [0.0]
+
+    class Counter:
+        def __init__(self):
+            self.mj, self.reads = 0.0, 0
+        def energy_mj(self):
+            self.reads += 1
+            now[0] += 8.0
+            return self.mj
+        def sm_clock_mhz(self):
+            return 1500
+
+    counter = Counter()
+
+    class Graph:
+        def replay(self):
+            now[0] += 1.0
+            counter.mj += 700.0
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            self.at = None
+        def record(self):
+            self.at = now[0]
+        def synchronize(self):
+            pass
+        def elapsed_time(self, end):
+            return (end.at - self.at) * 1e3
+
+    monkeypatch.setattr(B.time, "time", lambda: now[0])
+    monkeypatch.setattr(B.time, "sleep", lambda s: None)
+    monkeypatch.setattr(B.torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(B.torch.cuda, "Event", Event)
+    t, per_call, clock = B.time_sustained(Graph(), counter, seconds=20.5, calls=10)
+    # Halfway (10.25 s) comes after the 11th replay, the reading ends at 19 s, two replays follow.
+    assert counter.reads == 2
+    assert t == pytest.approx(1e5) and per_call == pytest.approx(70.0) and clock == 1500
 
 
 def test_sustained_flag_times_each_graph_alone_and_prints_both_libraries(monkeypatch, capsys):
