@@ -257,10 +257,18 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_kernel(const __grid_
   const int hpg = p.h_q / p.h_k, num_rows = p.s_q * hpg, row_base = blockIdx.x * kBlockM;
   const DecodePlanParams plan = dense_plan_params(p);
   const float scale_log2 = p.softmax_scale * kLog2e;
+  // Q is read once: evict first. Keys are read by every row tile of a part, each by its own TMA. Up
+  // to two row tiles (one TPC) their requests mostly meet in L2's request coalescer, and keys evict
+  // first. With more (s_q = 2 at h_q = 128: four, on two TPCs) the second TPC's requests come after
+  // the first's have been served, and evict first would have sent those lines to DRAM again: keys
+  // keep L2's default priority there (causal b=128 s_q=2 alone 0.93x -> 0.98x FlashMLA). Default
+  // priority throughout was slower at b <= 8 with long sequences and at varlen b=128
+  // (bench/RESULTS.md, thirty-first session).
   const uint64_t policy = evict_first_policy();
+  const uint64_t key_policy = gridDim.x > 2 ? kL2DefaultPriorityPolicy : policy;
   // Tiles [t0, t1) of the 64-key block in `page` into key buffer `buf` (one thread issues).
   auto load_tiles = [&](int buf, int page, int t0, int t1) {
-    issue_key_tiles(sm.k[buf], sm.full[buf], &args.kmap, page, group, t0, t1, policy);
+    issue_key_tiles(sm.k[buf], sm.full[buf], &args.kmap, page, group, t0, t1, key_policy);
   };
 
 #if MLA_DENSE_TIMELINE

@@ -54,7 +54,8 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
       : "memory");
 }
 
-// One box of a 4-D tensor map into shared memory, completing on `bar`; L2 eviction hint: first.
+// One box of a 4-D tensor map into shared memory, completing on `bar`, with an L2 eviction policy
+// (createpolicy, below).
 __device__ __forceinline__ void tma_load_4d(void* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1, int c2,
                                             int c3, uint64_t policy) {
   asm volatile(
@@ -68,6 +69,13 @@ __device__ __forceinline__ uint64_t evict_first_policy() {
   asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
   return policy;
 }
+// A policy word: evict_unchanged over no fraction of the lines, so the loads leave a line's L2
+// priority as it is (normal for a line they bring in). On the H200 createpolicy returns 0x12F0..
+// for evict_first, 0x16F0.. for evict_normal and 0x10F0.. for evict_unchanged (the first byte names
+// the priority, the next nibble the fraction: F for 1.0, 7 for 0.5). Keys loaded under
+// createpolicy's evict_normal were slower than under this word (bench/RESULTS.md, thirty-second
+// session).
+constexpr uint64_t kL2DefaultPriorityPolicy = 0x1000000000000000ull;
 __device__ __forceinline__ uint64_t evict_last_policy() {
   uint64_t policy;
   asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;\n" : "=l"(policy));
