@@ -264,8 +264,8 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_kernel(const __grid_
   // first. With more (s_q = 2 at h_q = 128: four, on two TPCs) the second TPC's requests come after
   // the first's have been served, and evict first would have sent those lines to DRAM again: keys
   // keep L2's default priority there (causal b=128 s_q=2 alone 0.93x -> 0.98x FlashMLA). Default
-  // priority throughout was slower at b <= 8 with long sequences and at varlen b=128
-  // (bench/RESULTS.md, thirty-first session).
+  // priority for every call was slower in alternated replays at b <= 8 with long sequences and at
+  // varlen b=128 (bench/RESULTS.md, thirty-first and thirty-second sessions).
   const uint64_t policy = evict_first_policy();
   const uint64_t key_policy = gridDim.x > 2 ? kL2DefaultPriorityPolicy : policy;
   // Tiles [t0, t1) of the 64-key block in `page` into key buffer `buf` (one thread issues).

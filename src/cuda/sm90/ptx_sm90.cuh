@@ -54,8 +54,8 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
       : "memory");
 }
 
-// One box of a 4-D tensor map into shared memory, completing on `bar`, with an L2 eviction policy
-// (createpolicy, below).
+// One box of a 4-D tensor map into shared memory, completing on `bar`, under an L2 cache policy
+// (from createpolicy, or the policy word below).
 __device__ __forceinline__ void tma_load_4d(void* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1, int c2,
                                             int c3, uint64_t policy) {
   asm volatile(
