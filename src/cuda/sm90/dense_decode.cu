@@ -22,13 +22,16 @@
 //       WG1: S1' = Q K1'^T of the next pair once its P V are done
 //     so one warpgroup's softmax overlaps the other's matrix work and the next S is queued behind
 //     the current P V;
-//   * each 64 x 64 tile is reloaded with the next pair's block by the warpgroup that uses it last,
-//     as soon as it is done with it (K0's V0L tiles by WG0 after O_L += P0 V0L, K1's V1R tiles by
-//     WG1 after O_R += P1 V1R, the rest after the cross products); block-table entries are read
-//     one pair ahead;
+//   * each 64 x 64 tile is reloaded with the next pair's block as soon as its last product is done
+//     (K0's V0L tiles by WG0 after O_L += P0 V0L, K1's V1R tiles by WG1 after O_R += P1 V1R, K0's
+//     other tiles by WG1 after O_R += P0 V0R), and K1's V1L and RoPE tiles by WG1 too, after a
+//     named barrier WG0 arrives at once its O_L += P1 V1L is done: WG1 waits for those tiles before
+//     its S1' anyway, while WG0 goes straight on to the rest of its S0' (the warpgroup whose warp 0
+//     issues loads waits for that warp at its next wgmma); block-table entries are read one pair
+//     ahead;
 //   * at D = 576, P0 / P1 live in the RoPE tile of K0 / K1 once S of that block is done, so Q, both
-//     key buffers and P fit in 216 KB; WG0 reloads K1's RoPE tile only once WG1 has passed a named
-//     barrier after its O_R += P1 V1R (both warpgroups read P1 there);
+//     key buffers and P fit in 216 KB; both warpgroups read P1 there, and WG1 reloads that tile
+//     only after the barrier above and its own O_R += P1 V1R;
 //   * the tail of a request's last page past its length is zeroed in shared memory by the
 //     warpgroup about to multiply that half of V (P is 0 there, 0 * NaN is not); invalid
 //     block-table entries load as zeros (out-of-bounds TMA box) and their keys are masked;
@@ -97,6 +100,10 @@
 // 1.4 times at s_q = 1, although sibling tiles start each pair within 0.03 us of each other. With
 // four row tiles (two TPCs) keys keep L2's default priority (key_policy, below): the causal call
 // alone 0.92-0.93x -> 0.98x with plans reused, 714 -> 670 mJ, 0.97x alternated (thirty-second session).
+// Per-instruction stall samples then put 16% of the causal kernel's warp samples at warpgroup
+// arrives (FlashMLA's: 1.8%), after the loads one warp issues; K1's V1L and RoPE tiles reloaded by
+// WG1 (above): causal 0.97x -> 0.99-1.00x alternated, 1.02-1.03x alone with plans reused (631-647
+// mJ against FlashMLA's 647-655), varlen 1.05x, h_q=16 94.9-96.2% of copy (thirty-third session).
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <cuda_runtime.h>
@@ -178,7 +185,7 @@ enum Barrier : int {
   kBarV0RIssued = 4,  // WG1 issued O_R += P0 V0R (and published P1)
   kBarWg0 = 5,   // WG0 alone
   kBarWg1 = 6,   // WG1 alone
-  kBarP1Read = 7,  // WG1's O_R += P1 V1R is done (P1 is read from shared memory by both warpgroups)
+  kBarV1LDone = 7,  // WG0's O_L += P1 V1L is done (K1's V1L tiles and P1 are free once WG1's products are)
 };
 
 template <int D>
@@ -495,12 +502,8 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_kernel(const __grid_
         if (has1) {
           if (next0) wgmma_wait<kS0Early>(); else wgmma_wait<0>();
           fence_regs(o);
-          // K1's V1L tiles (and, at D = 576, P1 in its RoPE tile) are free once WG1 has read P1 too.
-          if constexpr (Smem<D>::kPInRope) named_sync(kBarP1Read, kThreads);
-          if (wtid == 0 && next1) {
-            load_tiles(1, nxt1, 0, kVTilesPerWg);
-            if (kTiles > 2 * kVTilesPerWg) load_tiles(1, nxt1, 2 * kVTilesPerWg, kTiles);
-          }
+          // K1's V1L tiles (and, at D = 576, P1 in its RoPE tile) are read: WG1 reloads them.
+          if (next1) named_arrive(kBarV1LDone, kThreads);
         }
         if (next0) qk_issue<T, D>(sm, 0, parity(0, jp + 1), kS0Early, kTiles, s);
         wgmma_wait<0>();
@@ -548,10 +551,8 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_kernel(const __grid_
         pv_ss<T>(sm.p(0), sm.k[0][kVTilesPerWg], o);
         named_arrive(kBarV0RIssued, kThreads);
         if (has1) {
-          // K1's V1R tiles are free once O_R += P1 V1R is done: reloaded before the second waits;
-          // and WG0 may then reload the RoPE tile that holds P1 at D = 576.
+          // K1's V1R tiles are free once O_R += P1 V1R is done: reloaded before the second waits.
           wgmma_wait<1>();
-          if constexpr (Smem<D>::kPInRope) named_arrive(kBarP1Read, kThreads);
           if (wtid == 0 && next1) load_tiles(1, nxt1, kVTilesPerWg, 2 * kVTilesPerWg);
         }
         wgmma_wait<0>();
@@ -559,6 +560,15 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_kernel(const __grid_
         // K0's V0R tiles (and, at D = 576, P0 in its RoPE tile) are free.
         if (wtid == 0 && next0) load_tiles(0, nxt0, kVTilesPerWg, kTiles);
         if (next1) {
+          // The rest of K1 (V1L, and the RoPE tile that holds P1 at D = 576) once WG0's
+          // O_L += P1 V1L is done; this warpgroup's own products are. Issued here rather than by
+          // WG0, whose S0' would wait at its next wgmma for the warp issuing them: the causal call
+          // 0.97x -> 0.99-1.00x FlashMLA alternated (bench/RESULTS.md, thirty-third session).
+          named_sync(kBarV1LDone, kThreads);
+          if (wtid == 0) {
+            load_tiles(1, nxt1, 0, kVTilesPerWg);
+            if (kTiles > 2 * kVTilesPerWg) load_tiles(1, nxt1, 2 * kVTilesPerWg, kTiles);
+          }
           qk_issue<T, D, true>(sm, 1, parity(1, jp + 1), 0, kTiles, s);
           wgmma_wait<0>();
           fence_regs(s);
