@@ -14,12 +14,15 @@
 //     K0 / K1 (V is the first 512 columns of the same rows);
 //   * the two warpgroups take the blocks of a pair in turn and share one running max per row
 //     ("seesaw"); WG0 owns O[:, 0:256], WG1 O[:, 256:512], both in registers (64 x 256 fp32 each):
-//       WG0: m0 = max(m, rowmax S0); P0 = exp2(S0 - m0); O_L = O_L a0 + P0 V0L
-//       WG1: m1 = max(m0, rowmax S1); P1 = exp2(S1 - m1); O_R = O_R a0 s1 + P1 V1R  (s1 = exp2(m0 - m1))
-//       WG0: P0 s1 -> smem                        WG1: P1 -> smem, then O_R += P1 V1R and
-//                                                      O_R += (P0 s1) V0R queued back to back
+//       WG0: m0 = max(m, rowmax S0); P0 = exp2(S0 - m0); P0 -> smem; O_L = O_L a0 + P0 V0L
+//       WG1: m1 = max(m0, rowmax S1); P1 = exp2(S1 - m1) -> smem  (s1 = exp2(m0 - m1));
+//            O_R = (O_R a0 + P0 V0R) s1 + P1 V1R
 //       WG0: O_L = O_L s1 + P1 V1L, then S0' = Q K0'^T of the next pair behind it
 //       WG1: S1' = Q K1'^T of the next pair once its P V are done
+//     P0 goes out as it is, before WG0's own product, and WG1 applies s1 to its O_R itself (the
+//     lazy max leaves s1 = 1 in almost every pair, and then nothing waits for it), where
+//     FlashMLA's order (WG0 stores P0 s1 after WG1's softmax and its own P0 V0L) puts WG0's
+//     product and a round trip between the warpgroups on the path to O_R += P0 V0R;
 //     so one warpgroup's softmax overlaps the other's matrix work and the next S is queued behind
 //     the current P V;
 //   * each 64 x 64 tile is reloaded with the next pair's block as soon as its last product is done
@@ -104,6 +107,12 @@
 // arrives (FlashMLA's: 1.8%), after the loads one warp issues; K1's V1L and RoPE tiles reloaded by
 // WG1 (above): causal 0.97x -> 0.99-1.00x alternated, 1.02-1.03x alone with plans reused (631-647
 // mJ against FlashMLA's 647-655), varlen 1.05x, h_q=16 94.9-96.2% of copy (thirty-third session).
+// Those samples also put 4% of them at WG1's wait for P0 s1 and 3% at WG0's wait for O_L += P0 V0L
+// that came before it; P0 published before that product (above), alternated whole calls in two
+// runs: causal 0.99x -> 1.05x / 1.04x FlashMLA (866.1 / 852.1 us against 905.7 / 889.3; alone, plans
+// reused, 1.04x, 622 mJ against 655), varlen 1.09x / 1.09x (257.2 / 253.6 against 279.4 / 275.5),
+// h_q=16 293.3 / 291.5 us, 96.7% / 97.3% of copy (1.12x), b=128 s_k=512 1.33x / 1.32x, b=2
+// s_k=65536 1.23x, b=1..8 1.13-1.58x (thirty-fourth session).
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <cuda_runtime.h>
@@ -180,12 +189,11 @@ static_assert(kBlockN == kPlanBlockSize, "one key block per plan block");
 // Named barriers (0 is __syncthreads).
 enum Barrier : int {
   kBarM0 = 1,    // WG0 published m0
-  kBarP1 = 2,    // WG1 published m1, s1 and P1
-  kBarP0 = 3,    // WG0 published P0 * s1
-  kBarV0RIssued = 4,  // WG1 issued O_R += P0 V0R (and published P1)
-  kBarWg0 = 5,   // WG0 alone
-  kBarWg1 = 6,   // WG1 alone
-  kBarV1LDone = 7,  // WG0's O_L += P1 V1L is done (K1's V1L tiles and P1 are free once WG1's products are)
+  kBarP1 = 2,    // WG1 published m1, s1 and P1 (once its O_R += P0 V0R is queued)
+  kBarP0 = 3,    // WG0 published P0 (relative to m0)
+  kBarWg0 = 4,   // WG0 alone
+  kBarWg1 = 5,   // WG1 alone
+  kBarV1LDone = 6,  // WG0's O_L += P1 V1L is done (K1's V1L tiles and P1 are free once WG1's products are)
 };
 
 template <int D>
@@ -443,7 +451,7 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_kernel(const __grid_
       };
 
       if (wg == 0) {
-        // ---- WG0: m0, P0; O_L = O_L a0 + P0 V0L ---------------------------------------------
+        // ---- WG0: m0, P0 (into shared memory for WG1 as it is); O_L = O_L a0 + P0 V0L -------
         float m0[2], a0[2], sum[2] = {0.f, 0.f};
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
@@ -458,42 +466,30 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_kernel(const __grid_
         if (__any_sync(0xffffffffu, a0[0] != 1.f || a0[1] != 1.f)) scale_rows(o, a0[0], a0[1]);
         uint32_t pa[4][4];
         pack_p<T>(s, pa);
+        // P0 relative to m0, not m1: WG1 scales its O_R += P0 V0R by s1 itself, so P0 goes out
+        // before this warpgroup's own product rather than after WG1's softmax and that product.
+        store_p(sm.p(0), pa, warp, lane);
+        fence_proxy_async();
+        named_arrive(kBarP0, kThreads);
         if (valid0 < kBlockN) zero_v_tail(sm, 0, 0, valid0, wtid, kBarWg0);
         pv_rs<T>(sm.k[0][0], pa, o);
         wgmma_wait<0>();
         fence_regs(o);
-
-        // ---- WG1 published m1 and s1: P0 s1 for its O_R += P0 V0R ----------------------------
-        named_sync(kBarP1, kThreads);
+        // K0's V0L tiles are free (WG1 reads only V0R and P0 of K0).
         if (wtid == 0 && next0) load_tiles(0, nxt0, 0, kVTilesPerWg);
-        float s1[2];
-#pragma unroll
-        for (int h = 0; h < 2; ++h) s1[h] = sm.s1[rr[h]], m_prev[h] = sm.m[rr[h]];
-        const bool rescale1 = __any_sync(0xffffffffu, s1[0] != 1.f || s1[1] != 1.f);
-        // P0 s1 only where WG1's max moved (rare once the max settles): a branch around the whole
-        // rescale, not a predicate on each element (which would issue it every pair).
-        if (rescale1) {
-#pragma unroll
-          for (int kk = 0; kk < 4; ++kk)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              const float2 f = unpack<T>(pa[kk][e]);
-              pa[kk][e] = ptx::pack2<T>(f.x * s1[e % 2], f.y * s1[e % 2]);
-            }
-        }
-        store_p(sm.p(0), pa, warp, lane);
-        fence_proxy_async();
-        named_arrive(kBarP0, kThreads);
-#pragma unroll
-        for (int h = 0; h < 2; ++h) l_own[h] *= s1[h];
 
-        // ---- after WG1 issued O_R += P0 V0R: O_L = O_L s1 + P1 V1L, then the next S0 -----------
+        // ---- WG1 published m1, s1 and P1: O_L = O_L s1 + P1 V1L, then the next S0 -------------
         // K1's V1L tiles landed: WG1 waited for every tile of K1 before its S1, then arrived at
         // kBarP1, which this warpgroup has passed (the barrier orders WG1's observation of the
         // loads before this warpgroup's reads, as a wait here would, without the polls).
+        named_sync(kBarP1, kThreads);
+        float s1[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) s1[h] = sm.s1[rr[h]], m_prev[h] = sm.m[rr[h]];
+        if (__any_sync(0xffffffffu, s1[0] != 1.f || s1[1] != 1.f)) scale_rows(o, s1[0], s1[1]);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) l_own[h] *= s1[h];
         if (has1 && valid1 < kBlockN) zero_v_tail(sm, 1, 0, valid1, wtid, kBarWg0);
-        named_sync(kBarV0RIssued, kThreads);
-        if (rescale1) scale_rows(o, s1[0], s1[1]);
         if (has1) pv_ss<T>(sm.p(1), sm.k[1][0], o);
         // S0's first kS0Early tiles go behind it, one wgmma group each, so that the wait for O_L's
         // group leaves them queued.
@@ -510,60 +506,64 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_kernel(const __grid_
         fence_regs(o);
         fence_regs(s);
       } else {
-        // ---- WG1: m1, s1, P1; O_R = O_R a0 s1 + P1 V1R, then O_R += P0 V0R --------------------
+        // ---- WG1: m1, s1, P1; O_R = (O_R a0 + P0 V0R) s1 + P1 V1R ---------------------------
         named_sync(kBarM0, kThreads);
-        float m1[2], f[2], sum[2] = {0.f, 0.f};
+        float m1[2], a0[2], s1[2], sum[2] = {0.f, 0.f};
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const float m0 = sm.m[rr[h]];
           m1[h] = lazy_max(m0, row_max[h]);
-          const float s1 = m1[h] == m0 ? 1.f : exp2_ftz(m0 - m1[h]);
-          const float a0 = m0 == m_prev[h] ? 1.f : exp2_ftz(m_prev[h] - m0);
-          f[h] = a0 * s1;
-          if (t4 == 0) sm.s1[rr[h]] = s1;
+          s1[h] = m1[h] == m0 ? 1.f : exp2_ftz(m0 - m1[h]);
+          a0[h] = m0 == m_prev[h] ? 1.f : exp2_ftz(m_prev[h] - m0);
+          if (t4 == 0) sm.s1[rr[h]] = s1[h];
         }
         softmax(m1, sum);
         if (t4 == 0) sm.m[rr[0]] = m1[0], sm.m[rr[1]] = m1[1];
-        named_arrive(kBarP1, kThreads);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           m_prev[h] = m1[h];
-          l_own[h] = l_own[h] * f[h] + sum[h];
+          l_own[h] = l_own[h] * (a0[h] * s1[h]) + sum[h];
         }
-        if (__any_sync(0xffffffffu, f[0] != 1.f || f[1] != 1.f)) scale_rows(o, f[0], f[1]);
+        if (__any_sync(0xffffffffu, a0[0] != 1.f || a0[1] != 1.f)) scale_rows(o, a0[0], a0[1]);
         uint32_t pa[4][4];
         pack_p<T>(s, pa);
+        uint8_t* p1 = sm.p(1);
         if (has1) {
-          if (valid1 < kBlockN) zero_v_tail(sm, 1, kVTilesPerWg, valid1, wtid, kBarWg1);
-          // P1 into shared memory, for WG0's O_L += P1 V1L and this warpgroup's O_R += P1 V1R
-          // alike: P leaves the registers before the two P V of this warpgroup are queued.
-          uint8_t* p1 = sm.p(1);
+          // P1 into shared memory, for WG0's O_L += P1 V1L and this warpgroup's O_R += P1 V1R.
           store_p(p1, pa, warp, lane);
           fence_proxy_async();
-          named_sync(kBarWg1, 128);
-          pv_ss<T>(p1, sm.k[1][kVTilesPerWg], o);
         }
-        named_sync(kBarP0, kThreads);
         // K0's V0R tiles landed: WG0 waited for every tile of K0 before its S0, then arrived at
-        // kBarM0 and kBarP0. O_R += P0 V0R is queued behind O_R += P1 V1R (nothing touches O_R
-        // between them), so that WG0 hears of it without waiting for this warpgroup's first P V.
+        // kBarM0 and kBarP0.
+        named_sync(kBarP0, kThreads);
         if (valid0 < kBlockN) zero_v_tail(sm, 0, kVTilesPerWg, valid0, wtid, kBarWg1);
         pv_ss<T>(sm.p(0), sm.k[0][kVTilesPerWg], o);
-        named_arrive(kBarV0RIssued, kThreads);
-        if (has1) {
-          // K1's V1R tiles are free once O_R += P1 V1R is done: reloaded before the second waits.
-          wgmma_wait<1>();
-          if (wtid == 0 && next1) load_tiles(1, nxt1, kVTilesPerWg, 2 * kVTilesPerWg);
+        // m1, s1 and P1 for WG0, once O_R += P0 V0R is queued ahead of WG0's O_L += P1 V1L.
+        named_arrive(kBarP1, kThreads);
+        // s1 moves O_R += P0 V0R onto m1 (rare once the max settles: then nothing waits here).
+        if (__any_sync(0xffffffffu, s1[0] != 1.f || s1[1] != 1.f)) {
+          wgmma_wait<0>();
+          fence_regs(o);
+          scale_rows(o, s1[0], s1[1]);
         }
+        if (has1) {
+          if (valid1 < kBlockN) zero_v_tail(sm, 1, kVTilesPerWg, valid1, wtid, kBarWg1);
+          named_sync(kBarWg1, 128);  // every warp's part of P1 stored
+          pv_ss<T>(p1, sm.k[1][kVTilesPerWg], o);
+          wgmma_wait<1>();
+        } else {
+          wgmma_wait<0>();
+        }
+        // K0's V0R tiles (and, at D = 576, P0 in its RoPE tile) are free once O_R += P0 V0R is done.
+        if (wtid == 0 && next0) load_tiles(0, nxt0, kVTilesPerWg, kTiles);
         wgmma_wait<0>();
         fence_regs(o);
-        // K0's V0R tiles (and, at D = 576, P0 in its RoPE tile) are free.
-        if (wtid == 0 && next0) load_tiles(0, nxt0, kVTilesPerWg, kTiles);
         if (next1) {
-          // The rest of K1 (V1L, and the RoPE tile that holds P1 at D = 576) once WG0's
-          // O_L += P1 V1L is done; this warpgroup's own products are. Issued here rather than by
-          // WG0, whose S0' would wait at its next wgmma for the warp issuing them: the causal call
-          // 0.97x -> 0.99-1.00x FlashMLA alternated (bench/RESULTS.md, thirty-third session).
+          // K1's V1R tiles are free now, the rest of K1 (V1L, and the RoPE tile that holds P1 at
+          // D = 576) once WG0's O_L += P1 V1L is done. Issued here rather than by WG0, whose S0'
+          // would wait at its next wgmma for the warp issuing them: the causal call 0.97x ->
+          // 0.99-1.00x FlashMLA alternated (bench/RESULTS.md, thirty-third session).
+          if (wtid == 0) load_tiles(1, nxt1, kVTilesPerWg, 2 * kVTilesPerWg);
           named_sync(kBarV1LDone, kThreads);
           if (wtid == 0) {
             load_tiles(1, nxt1, 0, kVTilesPerWg);
