@@ -107,8 +107,8 @@
 // arrives (FlashMLA's: 1.8%), after the loads one warp issues; K1's V1L and RoPE tiles reloaded by
 // WG1 (above): causal 0.97x -> 0.99-1.00x alternated, 1.02-1.03x alone with plans reused (631-647
 // mJ against FlashMLA's 647-655), varlen 1.05x, h_q=16 94.9-96.2% of copy (thirty-third session).
-// Those samples also put 4% of them at WG1's wait for P0 s1 and 3% at WG0's wait for O_L += P0 V0L
-// that came before it; P0 published before that product (above), alternated whole calls in two
+// Samples of that kernel put 4% of them at WG1's wait for P0 s1 and 3% at WG0's wait for the
+// O_L += P0 V0L before it; P0 published before that product (above), alternated whole calls in two
 // runs: causal 0.99x -> 1.05x / 1.04x FlashMLA (866.1 / 852.1 us against 905.7 / 889.3; alone, plans
 // reused, 1.04x, 622 mJ against 655), varlen 1.09x / 1.09x (257.2 / 253.6 against 279.4 / 275.5),
 // h_q=16 293.3 / 291.5 us, 96.7% / 97.3% of copy (1.12x), b=128 s_k=512 1.33x / 1.32x, b=2
