@@ -517,6 +517,16 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_kernel(const __grid_
           a0[h] = m0 == m_prev[h] ? 1.f : exp2_ftz(m_prev[h] - m0);
           if (t4 == 0) sm.s1[rr[h]] = s1[h];
         }
+        // O_R = O_R a0 + P0 V0R goes out before this warpgroup's own exponentials, which it then
+        // overlaps, rather than after them: P0 is there (WG0 stores it long before S1 is done)
+        // and the exponentials would otherwise sit between WG0's O_L += P0 V0L and this product
+        // with nothing else queued.
+        if (__any_sync(0xffffffffu, a0[0] != 1.f || a0[1] != 1.f)) scale_rows(o, a0[0], a0[1]);
+        // K0's V0R tiles landed: WG0 waited for every tile of K0 before its S0, then arrived at
+        // kBarM0 and kBarP0.
+        named_sync(kBarP0, kThreads);
+        if (valid0 < kBlockN) zero_v_tail(sm, 0, kVTilesPerWg, valid0, wtid, kBarWg1);
+        pv_ss<T>(sm.p(0), sm.k[0][kVTilesPerWg], o);
         softmax(m1, sum);
         if (t4 == 0) sm.m[rr[0]] = m1[0], sm.m[rr[1]] = m1[1];
 #pragma unroll
@@ -524,7 +534,6 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_kernel(const __grid_
           m_prev[h] = m1[h];
           l_own[h] = l_own[h] * (a0[h] * s1[h]) + sum[h];
         }
-        if (__any_sync(0xffffffffu, a0[0] != 1.f || a0[1] != 1.f)) scale_rows(o, a0[0], a0[1]);
         uint32_t pa[4][4];
         pack_p<T>(s, pa);
         uint8_t* p1 = sm.p(1);
@@ -533,12 +542,7 @@ __global__ void __launch_bounds__(kThreads, 1) dense_decode_kernel(const __grid_
           store_p(p1, pa, warp, lane);
           fence_proxy_async();
         }
-        // K0's V0R tiles landed: WG0 waited for every tile of K0 before its S0, then arrived at
-        // kBarM0 and kBarP0.
-        named_sync(kBarP0, kThreads);
-        if (valid0 < kBlockN) zero_v_tail(sm, 0, kVTilesPerWg, valid0, wtid, kBarWg1);
-        pv_ss<T>(sm.p(0), sm.k[0][kVTilesPerWg], o);
-        // m1, s1 and P1 for WG0, once O_R += P0 V0R is queued ahead of WG0's O_L += P1 V1L.
+        // m1, s1 and P1 for WG0 (O_R += P0 V0R is queued ahead of WG0's O_L += P1 V1L).
         named_arrive(kBarP1, kThreads);
         // s1 moves O_R += P0 V0R onto m1 (rare once the max settles: then nothing waits here).
         if (__any_sync(0xffffffffu, s1[0] != 1.f || s1[1] != 1.f)) {
