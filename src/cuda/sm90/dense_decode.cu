@@ -2,117 +2,46 @@
 // d_v 512, any h_q with h_q % h_k == 0 (s_q x h_q / h_k query rows folded into 64-row tiles),
 // bottom-right causal masking for s_q > 1.
 //
-// Schedule (256 threads = two warpgroups, one CTA per (64-row tile, KV head, plan part), a
-// persistent loop over the part's pieces; one CTA per SM):
-//   * Q (64 x D) comes into shared memory once per piece in the 128-byte swizzle: by TMA, one 64 x 64
-//     box per 64 columns completing on one mbarrier, where its rows are evenly strided (s_q = 1, or
-//     each token's heads right after the token before's), else copied by the threads (cp.async);
-//     the piece's first two blocks' TMA loads go right behind Q; the next piece's Q and first
-//     blocks are staged in a piece's epilogue, whose global stores run while they are in flight;
-//   * keys come in 64-token blocks (one page) through TMA, 64 x 64 tiles completing on one
-//     mbarrier each (L2 promotion of the box's 128-byte rows, kv_tensor_map.h), into two buffers
-//     K0 / K1 (V is the first 512 columns of the same rows);
-//   * the two warpgroups take the blocks of a pair in turn and share one running max per row
-//     ("seesaw"); WG0 owns O[:, 0:256], WG1 O[:, 256:512], both in registers (64 x 256 fp32 each):
-//       WG0: m0 = max(m, rowmax S0); P0 = exp2(S0 - m0); P0 -> smem; O_L = O_L a0 + P0 V0L
-//       WG1: m1 = max(m0, rowmax S1); P1 = exp2(S1 - m1) -> smem  (s1 = exp2(m0 - m1));
-//            O_R = (O_R a0 + P0 V0R) s1 + P1 V1R
-//       WG0: O_L = O_L s1 + P1 V1L, then S0' = Q K0'^T of the next pair behind it
-//       WG1: S1' = Q K1'^T of the next pair once its P V are done
-//     P0 goes out as it is, before WG0's own product, and WG1 applies s1 to its O_R itself (the
-//     lazy max leaves s1 = 1 in almost every pair, and then nothing waits for it), where
-//     FlashMLA's order (WG0 stores P0 s1 after WG1's softmax and its own P0 V0L) puts WG0's
-//     product and a round trip between the warpgroups on the path to O_R += P0 V0R;
-//     so one warpgroup's softmax overlaps the other's matrix work and the next S is queued behind
-//     the current P V;
-//   * each 64 x 64 tile is reloaded with the next pair's block as soon as its last product is done
-//     (K0's V0L tiles by WG0 after O_L += P0 V0L, K1's V1R tiles by WG1 after O_R += P1 V1R, K0's
-//     other tiles by WG1 after O_R += P0 V0R), and K1's V1L and RoPE tiles by WG1 too, after a
-//     named barrier WG0 arrives at once its O_L += P1 V1L is done: WG1 waits for those tiles before
-//     its S1' anyway, while WG0 goes straight on to the rest of its S0' (the warpgroup whose warp 0
-//     issues loads waits for that warp at its next wgmma); block-table entries are read one pair
-//     ahead;
-//   * at D = 576, P0 / P1 live in the RoPE tile of K0 / K1 once S of that block is done, so Q, both
-//     key buffers and P fit in 216 KB; both warpgroups read P1 there, and WG1 reloads that tile
-//     only after the barrier above and its own O_R += P1 V1R;
-//   * the tail of a request's last page past its length is zeroed in shared memory by the
-//     warpgroup about to multiply that half of V (P is 0 there, 0 * NaN is not); invalid
-//     block-table entries load as zeros (out-of-bounds TMA box) and their keys are masked;
-//   * with a fresh plan every CTA first plans its own part (plan_block.cuh; no planner kernel
-//     runs before it); the kernel is a programmatic dependent of the kernel before it and the
-//     combine kernel one of it;
-//   * epilogue: whole pieces write out/lse, split pieces fp32 partials, from one call site behind
-//     the next piece's Q loads (each inlined copy of the stores is code a piece runs once); out's
-//     rows 16 bytes a lane after a transpose within each quad, so that a warp's store covers whole
-//     sectors (decode_io::store_row), fp32 partials by 8-byte pairs (whole sectors already).
-// Tile sizes: BLOCK_M 64 rows, 64 keys per block, 64 x 64 TMA tiles (128-byte swizzle), two key
-// buffers; wgmma m64n64k16 (S, both operands in shared memory, one group per tile) and m64n256k16
-// (P V: WG0's own P from registers, every other P from shared memory, stored by stmatrix.x4).
-// Reached on an H200 (bench/RESULTS.md, twenty-third session, whole API calls beside FlashMLA in
-// one run, fresh plans): b=128 h_q=128 s_k=4096 varlen 246.3 us (FlashMLA 257.2, 1.04x; 0.97x with
-// both plans reused), s_q=2 causal s_k=8192 883.7 (884.3, 1.00x), b=128 s_k=512 53.4 (66.8, 1.25x;
-// 0.91x reused), b=2 s_k=65536 75.0 (89.2, 1.19x), b=1..8 short and long 1.10-1.53x; h_q=16 b=128
-// s_k=8192 295.9 us, 95.9% of the copy ceiling (96.5% with the plan reused; 98.5% in the twentieth
-// session). The largest steps (each measured in bench/RESULTS.md): exp2 in one MUFU 356 -> 326 us;
-// constant-offset descriptors, one-compare masks and vote-skipped rescales 326 -> 314; mask-free
-// steady pairs 284 -> 270; S committed one group per tile 268.5 -> 262.0. Against FlashMLA's kernel
-// (ncu, tenth session): more fixed-latency stalls (MUFU sequences, index and mask arithmetic),
-// warpgroup waits and epilogue stores; SM active cycles vary +-7%. Not the bound: L2-to-SM
-// bandwidth. Row tiles of one part in a cluster of two, each key tile multicast into both (half the
-// L2 traffic), were no faster even without the cross-CTA gate that makes the reuse of a buffer safe
-// (eighteenth session). Merging a split request's pieces in this kernel (the last CTA to finish one
-// of them) rather than in the combine kernel was slower in every case: one SM reads the tile's
-// partials, and the counters' memset breaks the chain of dependent launches (twentieth session).
-// Loading the next piece's first blocks and Q during a piece's last pairs was slower too (b=128
-// s_k=512 56.2 -> 58.5 us). With plans reused this kernel trails FlashMLA's by about 9 us at b=128
-// whatever the blocks per CTA: 50.5 against 41.2 us at s_k=512 (two 8-block pieces per CTA), 232.6
-// against 223.4 at varlen (118 blocks), where calls of one piece per CTA trail by 1 us: the gap
-// comes at a change of piece (twenty-first session). Per-CTA timelines (MLA_DENSE_TIMELINE) put
-// most of it in the epilogue's bf16 stores, by 4-byte pairs then: the 16-byte stores took s_k=512
-// with plans reused from 55.6 to 49.2 us. Left: the change itself (stores, then the next Q and
-// first blocks landing: 5.8 against 2.5 us) and, with a fresh plan, the in-kernel plan (7.2 us).
-// Issuing the next piece's first blocks after the stores or after its Q had landed was level
-// (twenty-second session). Q by TMA rather than the threads' copies: b=128 s_k=512 59.7 -> 53.3 us
-// fresh, 49.4 -> 48.3 reused; prefetching the next piece's lengths and block-table row into L1 and
-// its Q into L2 at a piece's start gained nothing more. The in-kernel plan's 7 us are mostly cold
-// misses: run again right away it takes 2.9 us (twenty-third session). Not the lengths or the block
-// table in HBM, though: prefetching them into L2 before the dependency wait was level, and
-// prefetching the first piece from the plan already in memory, or the next piece's Q and first
-// blocks at a piece's start, was slower (b=128 s_k=512 reused 48.3 -> 52.7 us; twenty-fourth session).
-// With plans reused it is the attention kernel alone that trails (profiled apart: 43.1 against 41.4
-// us at s_k=512, 262.8 against 252.2 at varlen); the combine is level or faster.
-// FlashMLA's epilogue order (the output staged in shared memory and stored before the next blocks
-// load), with one bulk copy per row half, was slower everywhere (reused s_k=512 0.91x -> 0.89x of
-// FlashMLA, b=1 s_k=512 12.4 -> 14.1 us); a tensor-map
-// prefetch at kernel start and Q issued before the piece's lengths were level (twenty-sixth session).
-// One TMA store of a whole piece's tile staged in K1 (eight boxes, the next second block loaded
-// after) took 1-2 us off b=128 s_k=512 but the build lost 2-4% at b=1..8 (247 -> 255 registers);
-// the fp32 partials staged in both key buffers were slower everywhere (twenty-seventh session).
-// Not the code size either: a call runs 66 KB of this kernel's 189 KB of SASS (FlashMLA's 80 KB),
-// within the SM's 128-160 KB instruction cache (bench/icache_probe.cu). The reused small calls
-// lost between the kernels: the combine now leaves at once for unsplit requests of a plan made
-// before the call, and at s_q = 1 with requests >= parts this kernel releases it at each CTA's last
-// piece (launch()): b=128 s_k=512 reused 0.91x -> 0.99-1.00x of FlashMLA, b=8 s_k=1024 0.95x ->
-// 1.04x. Whole calls, twenty-eighth session: varlen 248.8 us (FlashMLA 261.3, 1.05x), causal 938.4
-// (901.8, 0.96x; 0.98x in the twenty-ninth), h_q=16 298.4 (94.7% of copy), b=128 s_k=512 52.0
-// (66.9, 1.29x), b=1..8 1.10-1.53x. Each library alone for seconds (bench_decode.py --sustained,
-// thirtieth session), the card holds its 700 W limit by its clocks, so time follows energy. The
-// causal call takes 692-722 mJ against FlashMLA's 645-657 and runs at 0.92-0.93x (2.7% behind from
-// cold). Ours issues fewer instructions (155 against 196 M) but moves 1.7-2.3x the bytes through
-// L2. The two kernels' row tiles get the same keys by TMA; FlashMLA's L2 sees each key once, ours
-// 1.4 times at s_q = 1, although sibling tiles start each pair within 0.03 us of each other. With
-// four row tiles (two TPCs) keys keep L2's default priority (key_policy, below): the causal call
-// alone 0.92-0.93x -> 0.98x with plans reused, 714 -> 670 mJ, 0.97x alternated (thirty-second session).
-// Per-instruction stall samples then put 16% of the causal kernel's warp samples at warpgroup
-// arrives (FlashMLA's: 1.8%), after the loads one warp issues; K1's V1L and RoPE tiles reloaded by
-// WG1 (above): causal 0.97x -> 0.99-1.00x alternated, 1.02-1.03x alone with plans reused (631-647
-// mJ against FlashMLA's 647-655), varlen 1.05x, h_q=16 94.9-96.2% of copy (thirty-third session).
-// Samples of that kernel put 4% of them at WG1's wait for P0 s1 and 3% at WG0's wait for the
-// O_L += P0 V0L before it; P0 published before that product (above), alternated whole calls in two
-// runs: causal 0.99x -> 1.05x / 1.04x FlashMLA (866.1 / 852.1 us against 905.7 / 889.3; alone, plans
-// reused, 1.04x, 622 mJ against 655), varlen 1.09x / 1.09x (257.2 / 253.6 against 279.4 / 275.5),
-// h_q=16 293.3 / 291.5 us, 96.7% / 97.3% of copy (1.12x), b=128 s_k=512 1.33x / 1.32x, b=2
-// s_k=65536 1.23x, b=1..8 1.13-1.58x (thirty-fourth session).
+// Schedule: 256 threads = two warpgroups; one CTA per (64-row tile, KV head, plan part), persistent
+// over the part's pieces, one CTA per SM; with a fresh plan each CTA plans its own part first
+// (plan_block.cuh); programmatic dependent launch from the kernel before and into the combine.
+//   * loads (one thread each): a piece's Q once into shared memory (TMA, one 64 x 64 box a column
+//     tile, where its rows are evenly strided; else cp.async by all threads), its first two blocks
+//     right behind it; keys in 64-token blocks as 64 x 64 TMA tiles, each on its own mbarrier, into
+//     two buffers K0 / K1 (V is the first 512 columns of the same rows), each tile reloaded with
+//     the next pair's block as soon as its last reader is done; the next piece's Q and first
+//     blocks go out in a piece's epilogue, ahead of its stores;
+//   * multiplies and softmax ("seesaw", FlashMLA's, §6.1 of the reference): the warpgroups take a
+//     pair's blocks in turn and share one running max per row (moved lazily, by more than 2^8);
+//     WG0 owns O[:, 0:256], WG1 O[:, 256:512], in registers:
+//       WG0: m0 = max(m, rowmax S0); P0 = exp2(S0 - m0) -> smem; O_L = O_L a0 + P0 V0L (P0 from registers)
+//       WG1: m1 = max(m0, rowmax S1); O_R = O_R a0 + P0 V0R at once; then P1 = exp2(S1 - m1) -> smem;
+//            O_R = O_R s1 + P1 V1R (s1 = exp2(m0 - m1), 1 in almost every pair: no wait then)
+//       WG0: O_L = O_L s1 + P1 V1L, then S0' of the next pair behind it; WG1: S1' once K1 is back.
+//     One warpgroup's softmax overlaps the other's products, and each S is queued behind the P V
+//     before it. At D = 576 P0 / P1 live in the RoPE tile of K0 / K1 once S of that block is done;
+//   * masks: only the pairs that reach a request's end or the causal limit test keys; a last page's
+//     V tail is zeroed in shared memory (P is 0 there, 0 * NaN is not); invalid block-table entries
+//     load as zeros (out-of-bounds TMA box) and are masked;
+//   * epilogue: whole pieces write out / lse (16 bytes a lane), split pieces fp32 partials.
+// Tile sizes: 64 rows x 64 keys; 64 x 64 TMA tiles in the 128-byte swizzle; Q + two key buffers =
+// 216 KB at D = 576; wgmma m64n64k16 for S (both operands in shared memory, one commit group per
+// tile) and m64n256k16 for P V.
+// Reached on an H200 (bench/RESULTS.md, whole API calls with fresh plans, replays alternated with
+// FlashMLA built from source in one run): b=128 s_q=2 h_q=128 s_k=8192 causal varlen 822.7 us,
+// 85.3% of the 778 TFLOPS matmul ceiling (FlashMLA 879.8, 1.07x); b=128 h_q=128 s_k=4096 varlen
+// 237.9 (259.2, 1.09x); b=128 h_q=16 s_k=8192 283.7, 100% of the copy ceiling (315.7, 1.11x)
+// (thirty-fifth session); b=128 s_k=512 1.32x, b=2 s_k=65536 1.23x, b=1..8 1.13-1.58x
+// (thirty-fourth). The largest steps: exp2 in one MUFU, mask-free steady pairs, one commit group
+// per S tile, the plan in the kernel, 16-byte output stores, and in the pair the loads moved to the
+// warpgroup that waits for them, P0 published before WG0's own product and O_R += P0 V0R issued
+// before WG1's exponentials (causal 0.97x -> 1.07x over the last three).
+// Measured and dropped (bench/RESULTS.md, the session named): TMA multicast of the keys to row
+// tiles in a cluster (level, 18th); split pieces merged in this kernel instead of the combine (slower
+// everywhere, 20th); the next piece's loads during a piece's last pairs (21st); the epilogue through
+// shared memory and bulk or TMA stores (26th, 27th); L2 prefetch of the next pieces or pairs (24th,
+// 33rd); keys at default L2 priority in every call (31st, 32nd: kept only with more than two row
+// tiles); a tree for the row max (level, 35th).
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <cuda_runtime.h>
