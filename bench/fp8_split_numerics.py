@@ -53,18 +53,9 @@ def split_e4m3(x: torch.Tensor, amax: torch.Tensor, split: bool):
     return hi, lo, b
 
 
-def records(kv8: torch.Tensor):
-    """The V3.2 cache's raw parts: e4m3 values [N, 512], scales [N, 4], RoPE [N, 64] (float64)."""
-    rec = R.block_bytes_view(kv8, R.V32).reshape(-1, R.V32.bytes_per_token)
-    k8 = rec[:, :512].contiguous().view(torch.float8_e4m3fn).to(torch.float64)
-    sc = rec[:, 512:528].contiguous().view(torch.float32).to(torch.float64)
-    rope = rec[:, 528:].contiguous().view(torch.bfloat16).to(torch.float64)
-    return k8, sc, rope
-
-
 def emulate(q: torch.Tensor, kv8: torch.Tensor, idx: torch.Tensor, scale: float, acc_bits: int, split: bool):
     """q [b, 1, h, 576] bf16, idx [b, 1, topk] (all valid) -> out [b, 1, h, 512] bf16, lse [b, h, 1]."""
-    k8, sc, rope = records(kv8)
+    k8, sc, rope = (part.flatten(0, 1) for part in R.v32_record_parts(kv8))  # [N, ...] by flat token
     outs, lses = [], []
     for i in range(q.shape[0]):
         t = idx[i, 0].long()

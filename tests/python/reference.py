@@ -221,16 +221,24 @@ def token_byte_ranges(fmt: Fp8Format, bs: int, t: int) -> list[tuple[int, int]]:
     return [(t * 576, (t + 1) * 576), (bs * 576 + t * 8, bs * 576 + (t + 1) * 8)]
 
 
+def v32_record_parts(kv8: torch.Tensor):
+    """A V3.2 cache's records as they are, float64: e4m3 values [nb, bs, 512], scales [nb, bs, 4],
+    RoPE dims [nb, bs, 64]."""
+    nb, bs = kv8.shape[:2]
+    rec = block_bytes_view(kv8, V32).reshape(nb, bs, 656)
+    nope = rec[..., :512].contiguous().view(torch.float8_e4m3fn).to(torch.float64)
+    scales = rec[..., 512:528].contiguous().view(torch.float32).to(torch.float64)
+    rope = rec[..., 528:656].contiguous().view(torch.bfloat16).to(torch.float64)
+    return nope, scales, rope
+
+
 def dequantize_ref(kv8: torch.Tensor, fmt: Fp8Format | str) -> torch.Tensor:
     """Independent decoder: FP8 cache [nb, bs, 1, bpt] -> float64 tokens [nb*bs, d]."""
     fmt = FORMATS[fmt] if isinstance(fmt, str) else fmt
     nb, bs = kv8.shape[:2]
     flat = block_bytes_view(kv8, fmt)
     if fmt.name == "v32":
-        rec = flat.reshape(nb, bs, 656)
-        nope = rec[..., :512].contiguous().view(torch.float8_e4m3fn).to(torch.float64)
-        scales = rec[..., 512:528].contiguous().view(torch.float32).to(torch.float64)     # [nb, bs, 4]
-        rope = rec[..., 528:656].contiguous().view(torch.bfloat16).to(torch.float64)
+        nope, scales, rope = v32_record_parts(kv8)
     else:
         data = flat[:, :bs * 576].reshape(nb, bs, 576)
         nope = data[..., :448].contiguous().view(torch.float8_e4m3fn).to(torch.float64)
