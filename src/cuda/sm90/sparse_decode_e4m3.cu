@@ -80,7 +80,11 @@ constexpr int kChunksPerThread = (kChunks + kTokenThreads - 1) / kTokenThreads; 
 // a consumer holds O^T (64) and S^T's five accumulators (72) at once.
 constexpr int kConsumerRegs = 208, kProducerRegs = 88;
 static_assert(kConsumerWgs * kConsumerRegs + kProducerRegs <= 3 * 168, "moved, never added");
-constexpr float kSplitMax = 224.f;  // hi + lo parts scaled to at most this (e4m3's largest is 448)
+constexpr float kSplitMax = 224.f;
+// Q's lo part is stored times 16: |q b - hi| is at most half an e4m3 step of hi (16 at hi = 224), so
+// 16 times it still fits, and lo keeps four significant bits down to 16 times smaller values before
+// it reaches e4m3's subnormal range (hi + lo / 16 is then a bf16 q exactly).
+constexpr float kLoScale = 16.f;  // hi + lo parts scaled to at most this (e4m3's largest is 448)
 
 struct Stage {
   uint8_t nope[kGroups][kTileBytes];  // e4m3 [token][128 dims of group G], 128-byte swizzle
@@ -204,7 +208,8 @@ __device__ __forceinline__ void stage_q(const SparseDecodeParams& p, bool vec, i
           const float a0 = x[4 * j] * b, a1 = x[4 * j + 1] * b, a2 = x[4 * j + 2] * b, a3 = x[4 * j + 3] * b;
           const uint16_t h01 = to_e4m3x2(a0, a1), h23 = to_e4m3x2(a2, a3);
           const float2 f01 = from_e4m3x2(h01), f23 = from_e4m3x2(h23);
-          const uint16_t l01 = to_e4m3x2(a0 - f01.x, a1 - f01.y), l23 = to_e4m3x2(a2 - f23.x, a3 - f23.y);
+          const uint16_t l01 = to_e4m3x2(kLoScale * (a0 - f01.x), kLoScale * (a1 - f01.y));
+          const uint16_t l23 = to_e4m3x2(kLoScale * (a2 - f23.x), kLoScale * (a3 - f23.y));
           hw[j] = uint32_t(h01) | uint32_t(h23) << 16;
           lw[j] = uint32_t(l01) | uint32_t(l23) << 16;
         }
@@ -276,7 +281,7 @@ __device__ __forceinline__ void qk(const Stage& st, const QBuffer& q, int row0, 
         float v = rope[j];
 #pragma unroll
         for (int grp = 0; grp < kGroups; ++grp)
-          v = fmaf(sc[hk][grp] * inv_b[n][e][grp], acc[grp][j] + acc[grp][j + 8], v);
+          v = fmaf(sc[hk][grp] * inv_b[n][e][grp], fmaf(acc[grp][j + 8], 1.f / kLoScale, acc[grp][j]), v);
         s[j] = v;
       }
 }
