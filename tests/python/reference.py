@@ -325,15 +325,17 @@ def ref_dense_decode(q: torch.Tensor, seqs: Sequence[torch.Tensor], softmax_scal
             qi = qi * float(q_scale[i])
         if k_scale is not None:
             k = k * float(k_scale[i])
-        kk = k.repeat_interleave(g, dim=1)                          # [L, h_q, d]
-        scores = torch.einsum("shd,lhd->hsl", qi, kk) * softmax_scale  # [h_q, s_q, L]
+        # Head h = kv * g + j reads KV head kv; the heads sharing one are grouped rather than
+        # the keys repeated per head (at h_q 128 and 128 K keys that copy alone is 77 GB).
+        qg = qi.view(s_q, h_k, g, d)
+        scores = torch.einsum("skgd,lkd->kgsl", qg, k).reshape(h_q, s_q, L) * softmax_scale
         valid = torch.ones(s_q, L, dtype=torch.bool)
         if causal and s_q > 1:
             r = torch.arange(s_q)[:, None]
             j = torch.arange(L)[None, :]
             valid = j <= r + L - s_q
         p, l, _ = _softmax_probs(scores, valid.expand(h_q, s_q, L))
-        out[i] = torch.einsum("hsl,lhd->shd", p, kk[:, :, :d_v])
+        out[i] = torch.einsum("kgsl,lkd->skgd", p.view(h_k, g, s_q, L), k[:, :, :d_v]).reshape(s_q, h_q, d_v)
         lse[i] = l
     return out, lse
 
