@@ -58,7 +58,6 @@ const std::vector<Implementation<SparseDecodeParams>> kSparse = {
 #if defined(MLA_KERNELS_WITH_SM90A)
     {{"sm90_small", OpKind::kSparseDecode, 90, 90, kSparseSm90Small}, sm90_sparse_decode_small, true},
     {{"sm90_frag", OpKind::kSparseDecode, 90, 90, kSparseSm90Frag}, sm90_sparse_decode_frag, true},
-    {{"sm90_e4m3", OpKind::kSparseDecode, 90, 90, kSparseSm90Frag}, sm90_sparse_decode_e4m3, true},
     {{"sm90", OpKind::kSparseDecode, 90, 90, kSparseAll}, sm90_sparse_decode, true},
 #endif
     {{"portable", OpKind::kSparseDecode, 80, kAnyNewer, kSparseAll}, portable_sparse_decode},

@@ -41,9 +41,6 @@ cudaError_t sm90_sparse_decode_small(const SparseDecodeParams& params, cudaStrea
 // At most 16 heads of the V3.2 format, every sparse feature; the keys dequantised into wgmma's
 // register operands.
 cudaError_t sm90_sparse_decode_frag(const SparseDecodeParams& params, cudaStream_t stream);
-// At most 16 heads of the V3.2 format, every sparse feature; e4m3 products over the records as
-// they are, the other operand split into e4m3 hi + lo.
-cudaError_t sm90_sparse_decode_e4m3(const SparseDecodeParams& params, cudaStream_t stream);
 // Any number of heads (64 per CTA), both FP8 formats, every sparse feature.
 cudaError_t sm90_sparse_decode(const SparseDecodeParams& params, cudaStream_t stream);
 

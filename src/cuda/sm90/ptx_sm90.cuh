@@ -224,13 +224,6 @@ __device__ void wgmma_ss_small(float (&d)[N / 2], uint64_t desc_a, uint64_t desc
 template <typename T, int N>
 __device__ void wgmma_rs_small(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc_b, int scale_d);
 
-// e4m3 x e4m3 with fp32 accumulators, k32 (both operands K-major; 8-bit types have no MN-major):
-// S^T (64 x 32) += A (smem) * B (smem), and O^T (64 x 16) += A (registers) * B (smem), whose a[0]
-// holds row g, k 4 t4 .. + 3; a[1] row g + 8; a[2] row g, k 16 + 4 t4 .. + 3; a[3] row g + 8, k 16 + ...
-// (four e4m3 each, the lowest k in the lowest byte).
-__device__ void wgmma_ss_e4m3_n32(float (&d)[16], uint64_t desc_a, uint64_t desc_b, int scale_d);
-__device__ void wgmma_rs_e4m3_n16(float (&d)[8], const uint32_t (&a)[4], uint64_t desc_b, int scale_d);
-
 #if defined(MLA_SM90A_DEVICE)
 // The instruction forms, one per shape and operand source, each written once for both 16-bit
 // element types (PTX wants every accumulator register named).
@@ -351,20 +344,6 @@ MLA_WGMMA_SS_SMALL(__nv_bfloat16, "bf16", 32, 0, MLA_WGMMA_REGS16, MLA_WGMMA_ACC
 MLA_WGMMA_SS_SMALL(__half, "f16", 32, 0, MLA_WGMMA_REGS16, MLA_WGMMA_ACC16, "%16", "%17", "%18")
 MLA_WGMMA_SS_SMALL(__nv_bfloat16, "bf16", 32, 1, MLA_WGMMA_REGS16, MLA_WGMMA_ACC16, "%16", "%17", "%18")
 MLA_WGMMA_SS_SMALL(__half, "f16", 32, 1, MLA_WGMMA_REGS16, MLA_WGMMA_ACC16, "%16", "%17", "%18")
-
-__device__ __forceinline__ void wgmma_ss_e4m3_n32(float (&d)[16], uint64_t desc_a, uint64_t desc_b, int scale_d) {
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
-               "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3 {" MLA_WGMMA_REGS16 "}, %16, %17, p, 1, 1;\n}\n"
-               : MLA_WGMMA_ACC16
-               : "l"(desc_a), "l"(desc_b), "r"(scale_d));
-}
-__device__ __forceinline__ void wgmma_rs_e4m3_n16(float (&d)[8], const uint32_t (&a)[4], uint64_t desc_b, int scale_d) {
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"
-               "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3 {" MLA_WGMMA_REGS8 "}, {%8, %9, %10, %11}, %12, p, "
-               "1, 1;\n}\n"
-               : MLA_WGMMA_ACC8
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
-}
 
 MLA_WGMMA_SS_K(__nv_bfloat16, "bf16")
 MLA_WGMMA_SS_K(__half, "f16")
