@@ -18,6 +18,10 @@ from registers for O^T, with no dequantisation. Its other operand must be e4m3 t
 
 prints, per score sharpness, the largest errors and whether out and lse pass the sparse tolerances.
 With --no-split (Q and P as one e4m3 each) they do not.
+
+The card disagreed where scores cancel or are sharp: a kernel built this way (bench/RESULTS.md,
+thirty-sixth session) missed the lse tolerance by up to 1.9e-4 relative (lse near zero, or softmax
+scale 60), whatever Q's split, so its e4m3 products keep fewer bits than this model where it counts.
 """
 
 import argparse
