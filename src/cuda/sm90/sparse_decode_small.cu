@@ -32,7 +32,11 @@
 // per-thread store offsets 183.5 -> 155.8 us (h_q=16); a second producer warpgroup 155.8 -> 124.8;
 // the planner in the kernel; three register slots 92.6 -> 87.6; shared memory under 164 KB (more L1
 // for the loads in flight) 79.5 -> 76.5; O^T left in flight behind the next S^T 76.8 -> 75.2.
-// Limits: the records alone gather at best in 48.8 us (bench/gather_ceiling.cu); alone, the
+// On an H100 (thirty-seventh session, records loaded evict-first in L2): V3.2 b=128 h_q=16 85.8 us
+// whole (FlashMLA padded 153.5, 1.79x), 81.7 with the plan reused; b=64 h_q=32 66.0 (110.3, 1.67x);
+// MODEL1 b=128 h_q=16 42.4 (109.0, 2.57x). There the V3.2 h_q=16 records alone gather in 69.3 us at
+// best, above 2.5x FlashMLA padded (61.4).
+// Limits (H200): the records alone gather at best in 48.8 us (bench/gather_ceiling.cu); alone, the
 // producers take 57.5 us and the consumer 51.4. A m64n16k16 with its operands in shared memory
 // takes 21.3 cycles, bound by reading them (bench/wgmma_rate.cu), so S^T and O^T need 766 and 688
 // cycles a block on an idle SM but about 4.5 k here, where the producers' stores and their records'
