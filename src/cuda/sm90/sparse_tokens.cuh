@@ -126,8 +126,9 @@ __device__ __forceinline__ uint4 load_record16(const void* a, uint64_t policy = 
 }
 
 // Loads `part` of the token `ref` names. Indices outside the cache are invalid: nothing is read.
-// kNoAllocate: the 16-byte record loads bypass L1 allocation; kHint: every load of the record (its
-// scales too) goes under the L2 policy `policy`.
+// kNoAllocate: the 16-byte record loads bypass L1 allocation; kHint: the 16-byte loads (V3.2's scales
+// among them) go under the L2 policy `policy` (a MODEL1 record in a page block only 8-byte aligned,
+// and MODEL1's 8-byte scales, load without it).
 template <KvFormat F, int kParts, bool kNoAllocate = false, bool kHint = false>
 __device__ __forceinline__ TokenPart<F, kParts> load_token_part(const SparseDecodeParams& p, const TokenRef& ref,
                                                                 int part, uint64_t policy = 0) {
