@@ -326,7 +326,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_kernel(const __grid
     auto step = [&]() { return ahead.advance(p, plan, part); };
     auto locate = [&]() { return ahead.blocks.locate(p, round_of(ahead.round) * kRoundTokens + tq); };
     bool have = step();
-    Part cur = have && kDiag != 2 ? load_token_part<F, kTokenParts, false, true>(p, locate(), tp, policy) : Part{};
+    Part cur = have && kDiag != 2 ? load_token_part<F, kTokenParts>(p, locate(), tp, policy) : Part{};
     bool have_next = have && step();
     TokenRef ref_next = have_next ? locate() : TokenRef{};
     uint32_t count = 0;  // blocks handed over: buffer count % 2, phase (count / 2) % 2
@@ -335,7 +335,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_kernel(const __grid
       const bool have_after = have_next && step();
       const TokenRef ref_after = have_after ? locate() : TokenRef{};
       Part next;  // unused past the last step
-      if (have_next && kDiag != 2) next = load_token_part<F, kTokenParts, false, true>(p, ref_next, tp, policy);
+      if (have_next && kDiag != 2) next = load_token_part<F, kTokenParts>(p, ref_next, tp, policy);
       const int buf = count & 1;
       if (r == 0) mbar_wait(&sm.empty[buf], ((count / 2) & 1) ^ 1);
       const int t = round_of(r) * kRoundTokens + tq;

@@ -176,7 +176,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_small_kernel(const 
       if (!have_ref) return;
       // MODEL1's records skip L1 allocation (measured 37.5 -> 36.5 us at h_q 16); V3.2's do not: its
       // producers' loads in flight are held by L1, and bypassing it cost 80.8 -> 92 us.
-      if constexpr (kDiag != 2) slot = load_token_part<F, kTokenParts, F == KvFormat::kModel1, true>(p, ref, tp, policy);
+      if constexpr (kDiag != 2) slot = load_token_part<F, kTokenParts, F == KvFormat::kModel1>(p, ref, tp, policy);
       ++pending;
       have_ref = step();
       if (have_ref) ref = locate();

@@ -102,36 +102,30 @@ struct TokenPart {
   uint32_t scales[Fm::kV32 ? 4 : 2];
 };
 
-// 16 bytes of a record, read once: not kept in L1 (kNoAllocate), or as __ldg; with kHint, under the
-// L2 cache policy `policy` (createpolicy).
-template <bool kNoAllocate, bool kHint = false>
-__device__ __forceinline__ uint4 load_record16(const void* a, uint64_t policy = 0) {
+// 16 bytes of a record, read once, under the L2 cache policy `policy` (createpolicy); not kept in L1
+// with kNoAllocate.
+template <bool kNoAllocate>
+__device__ __forceinline__ uint4 load_record16(const void* a, uint64_t policy) {
   uint4 v;
-  if constexpr (kNoAllocate && kHint) {
+  if constexpr (kNoAllocate) {
     asm("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;\n"
         : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
         : "l"(a), "l"(policy));
-  } else if constexpr (kHint) {
+  } else {
     asm("ld.global.nc.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;\n"
         : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
         : "l"(a), "l"(policy));
-  } else if constexpr (kNoAllocate) {
-    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-        : "l"(a));
-  } else {
-    v = __ldg(reinterpret_cast<const uint4*>(a));
   }
   return v;
 }
 
 // Loads `part` of the token `ref` names. Indices outside the cache are invalid: nothing is read.
-// kNoAllocate: the 16-byte record loads bypass L1 allocation; kHint: the 16-byte loads (V3.2's scales
-// among them) go under the L2 policy `policy` (a MODEL1 record in a page block only 8-byte aligned,
-// and MODEL1's 8-byte scales, load without it).
-template <KvFormat F, int kParts, bool kNoAllocate = false, bool kHint = false>
+// The 16-byte loads (V3.2's scales among them) go under the L2 policy `policy`; a MODEL1 record in a
+// page block only 8-byte aligned, and MODEL1's 8-byte scales, load without it. kNoAllocate: the
+// 16-byte loads bypass L1 allocation.
+template <KvFormat F, int kParts, bool kNoAllocate = false>
 __device__ __forceinline__ TokenPart<F, kParts> load_token_part(const SparseDecodeParams& p, const TokenRef& ref,
-                                                                int part, uint64_t policy = 0) {
+                                                                int part, uint64_t policy) {
   using Fm = SparseFormat<F>;
   using TP = TokenPart<F, kParts>;
   TP r;
@@ -157,14 +151,14 @@ __device__ __forceinline__ TokenPart<F, kParts> load_token_part(const SparseDeco
   static_assert(Fm::kRecordBytes % 16 == 0, "records are 16-byte multiples");
   const bool aligned = Fm::kV32 || (reinterpret_cast<uintptr_t>(block) & 15) == 0;
   auto load16 = [&](const uint8_t* a) {
-    return aligned ? load_record16<kNoAllocate, kHint>(a, policy) : fp8::load16_align8(a);
+    return aligned ? load_record16<kNoAllocate>(a, policy) : fp8::load16_align8(a);
   };
 #pragma unroll
   for (int c = 0; c < TP::kNopeChunks; ++c) r.nope[c] = load16(rec + (c * kParts + part) * 16);
 #pragma unroll
   for (int c = 0; c < TP::kRopeChunks; ++c) r.rope[c] = load16(rec + Fm::kRopeOffset + (c * kParts + part) * 16);
   if constexpr (Fm::kV32) {
-    const uint4 v = load_record16<false, kHint>(rec + Fm::kNope, policy);
+    const uint4 v = load_record16<false>(rec + Fm::kNope, policy);
     r.scales[0] = v.x, r.scales[1] = v.y, r.scales[2] = v.z, r.scales[3] = v.w;
   } else {
     const uint2 v =
