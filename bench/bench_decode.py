@@ -416,19 +416,25 @@ CASES = {
 
 
 DENSE_NAME = re.compile(r"dense_b(\d+)(?:_sq(\d+))?_h(\d+)_sk(\d+)(_causal)?(_varlen)?")
+SPARSE_NAME = re.compile(r"sparse_(v32|model1)_b(\d+)(?:_sq(\d+))?_h(\d+)_topk(\d+)")
 
 
 def case_by_name(name):
     """A named case, or any dense shape spelled like the named ones: dense_b<b>[_sq<s_q>]_h<h_q>_sk<s_k>
-    [_causal][_varlen] (lengths all s_k unless _varlen), for sweeps beyond the fixed list. A name in
+    [_causal][_varlen] (lengths all s_k unless _varlen), or any sparse one: sparse_<v32|model1>_b<b>
+    [_sq<s_q>]_h<h_q>_topk<topk> (one cache of page 64, no lengths), for sweeps beyond the fixed list. A name in
     CASES keeps its definition: dense_b4_h128_sk8192, dense_b8_h128_sk1024 and dense_b8_h128_sk32768
     are varlen there, as in every earlier RESULTS table, although their names lack _varlen."""
     if name in CASES:
         return CASES[name]
+    m = SPARSE_NAME.fullmatch(name)
+    if m:
+        fmt, b, s_q, h_q, topk = m[1], int(m[2]), int(m[3] or 1), int(m[4]), int(m[5])
+        return lambda **kw: sparse_case(fmt, b, s_q, h_q, topk, **kw)
     m = DENSE_NAME.fullmatch(name)
     if not m:
-        raise SystemExit(f"unknown case {name!r}: one of {', '.join(CASES)} or dense_b<b>[_sq<s_q>]_h<h>_sk<s_k>"
-                         "[_causal][_varlen]")
+        raise SystemExit(f"unknown case {name!r}: one of {', '.join(CASES)}, dense_b<b>[_sq<s_q>]_h<h>_sk<s_k>"
+                         "[_causal][_varlen] or sparse_<v32|model1>_b<b>[_sq<s_q>]_h<h>_topk<topk>")
     b, s_q, h_q, s_k = int(m[1]), int(m[2] or 1), int(m[3]), int(m[4])
     return lambda **kw: dense_case(b, s_q, h_q, s_k, bool(m[5]), fixed=not m[6], **kw)
 

@@ -1,4 +1,4 @@
-"""The benchmark's case names: a dense shape spelled like the fixed cases names that shape."""
+"""The benchmark's case names: a dense or sparse shape spelled like the fixed cases names that shape."""
 
 import os
 import sys
@@ -23,11 +23,24 @@ def test_dense_names_spell_the_shape(name, args, monkeypatch):
     assert seen == [args]
 
 
+@pytest.mark.parametrize("name,args", [
+    ("sparse_v32_b128_h32_topk2048", ("v32", 128, 1, 32, 2048)),
+    ("sparse_v32_b64_sq2_h16_topk100", ("v32", 64, 2, 16, 100)),
+    ("sparse_model1_b3_h64_topk512", ("model1", 3, 1, 64, 512)),
+])
+def test_sparse_names_spell_the_shape(name, args, monkeypatch):
+    seen = []
+    monkeypatch.setattr(B, "sparse_case", lambda fmt, b, s_q, h_q, topk, **kw: seen.append((fmt, b, s_q, h_q, topk)))
+    B.case_by_name(name)()
+    assert seen == [args]
+
+
 def test_fixed_cases_keep_their_definitions():
     assert B.case_by_name("dense_b128_h128_sk4096_varlen") is B.CASES["dense_b128_h128_sk4096_varlen"]
 
 
-@pytest.mark.parametrize("name", ["dense_b8_h16", "sparse_v32_b1_h16_topk64", "dense_b8_h16_sk1024_extra"])
+@pytest.mark.parametrize("name", ["dense_b8_h16", "sparse_v32_b1_h16", "sparse_fp4_b1_h16_topk64",
+                                  "dense_b8_h16_sk1024_extra"])
 def test_unknown_names_are_refused(name):
     with pytest.raises(SystemExit, match="unknown case"):
         B.case_by_name(name)
