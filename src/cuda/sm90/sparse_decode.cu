@@ -38,6 +38,9 @@
 // Reached on an H200 (bench/RESULTS.md, fifteenth session, whole API calls beside FlashMLA in one
 // run): V3.2 b=128 h_q=128 topk 2048 178.5 us (FlashMLA 196.3, 1.10x); b=128 s_q=2 341.9 (356.3,
 // 1.04x); b=32 s_q=2 96.6 (99.0, 1.02x); MODEL1 b=128 h_q=128 mixed with sink 84.9 (105.7, 1.24x).
+// On an H100 (thirty-seventh session, the same kernels with the records evict-first in L2): V3.2
+// b=128 h_q=128 184.0 us (FlashMLA 209.1, 1.14x); s_q=2 b=128 346.0 (377.2, 1.09x), b=32 98.9
+// (106.9, 1.08x); MODEL1 b=128 h_q=128 mixed with sink 89.2 (109.3, 1.23x).
 // With both plans reused the kernels are level with FlashMLA's (tenth session: 172.9 against
 // 173.7). The largest steps: the cluster crossover 515 -> 357 us; st.async instead of cluster-scope
 // fences 357 -> 316; per-thread store offsets, the index a step ahead, lengths once per request
