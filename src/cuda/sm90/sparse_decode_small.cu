@@ -105,7 +105,8 @@ struct Smem {
   // P [head][token]. At D = 576 it lives in the RoPE tile of the block's buffer, which only S^T
   // reads (done when P is written; the buffer goes back after O^T): with the alignment slack gone
   // (below), 3 KB less shared memory puts N = 16 under 164 KB, leaving the L1 cache the producers'
-  // record loads land in 92 KB, not 60.
+  // record loads land in 92 KB, not 60. At N = 32, Q twice the size puts both formats (181.2 KB at
+  // d_qk 576, 165.2 KB at 512, plus the 1 KB reserve) in the 196 KB carveout: 60 KB of L1.
   static constexpr bool kPInRope = D == 576;
   uint8_t p_own[kPInRope ? 16 : N * 128];
   float warp_max[4][N];
