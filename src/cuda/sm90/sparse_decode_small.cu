@@ -36,6 +36,11 @@
 // whole (FlashMLA padded 153.5, 1.79x), 81.7 with the plan reused; b=64 h_q=32 66.0 (110.3, 1.67x);
 // MODEL1 b=128 h_q=16 42.4 (109.0, 2.57x). There the V3.2 h_q=16 records alone gather in 69.3 us at
 // best, above 2.5x FlashMLA padded (61.4).
+// H200 again (fortieth session): whole calls 80.3 / 65.4 / 41.7 us (FlashMLA padded 148.8 / 106.9 /
+// 106.3: 1.85x / 1.63x / 2.55x). A topk sweep (plan reused) puts a block per SM at 2.04 us at N =
+// 16 and 2.49 at N = 32; the producers alone take 1.49 at both (87% of the copy ceiling), the
+// consumer alone 1.36 and 1.69; the fixed cost of a call is 11.1 us at h_q=16 and 17.7 at 32, 3.5
+// of the difference in the combine (every b=64 request is split).
 // Limits (H200): the records alone gather at best in 48.8 us (bench/gather_ceiling.cu); alone, the
 // producers take 57.5 us and the consumer 51.4. A m64n16k16 with its operands in shared memory
 // takes 21.3 cycles, bound by reading them (bench/wgmma_rate.cu), so S^T and O^T need 766 and 688
@@ -47,7 +52,10 @@
 // operands by two consumer warpgroups (sparse_decode_frag.cu: 75-76 -> 110 us), the dequantisation
 // as bf16(e4m3) * bf16(scale) in bf16x2 (75-76 -> 80), a warpgroup vote (barrier.red.or) on whether
 // a block moves any head's running max, the maxima exchanged only then (H100, plan reused: h_q=32
-// 57.1 -> 58.0 us, h_q=16 81.0 -> 80.5).
+// 57.1 -> 58.0 us, h_q=16 81.0 -> 80.5); H200, plan reused, h_q=16 / 32: each register slot with
+// its own next token, the first blocks' indices read together (74.0 -> 76.3 / 57.5 -> 57.9), a
+// piece's Q staged by cp.async behind the previous piece's end (-> 85.2 / 58.6), the next slot's
+// records asked of L2 by cp.async.bulk.prefetch (-> 87.1 / 60.2).
 #include <cuda_runtime.h>
 
 #include <cstdint>
