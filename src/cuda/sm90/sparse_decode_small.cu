@@ -55,7 +55,10 @@
 // 57.1 -> 58.0 us, h_q=16 81.0 -> 80.5); H200, plan reused, h_q=16 / 32: each register slot with
 // its own next token, the first blocks' indices read together (74.0 -> 76.3 / 57.5 -> 57.9), a
 // piece's Q staged by cp.async behind the previous piece's end (-> 85.2 / 58.6), the next slot's
-// records asked of L2 by cp.async.bulk.prefetch (-> 87.1 / 60.2).
+// records asked of L2 by cp.async.bulk.prefetch (-> 87.1 / 60.2); H100, plan reused, h_q=16 / 32:
+// S^T of block j issued ahead of O^T of block j - 1, so that the softmax's max, exp2 and P stores
+// run under that O^T (82.0 -> 90.5 / 57.4 -> 61.4: with two buffers, block j - 1's goes back only
+// after both land, and the producers' store into it then lies on the consumer's path).
 #include <cuda_runtime.h>
 
 #include <cstdint>
