@@ -84,6 +84,18 @@ int device_arch() {
   return archs[dev];
 }
 
+int device_sm_count() {
+  static std::mutex mutex;
+  static std::vector<int> counts;
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) return 0;
+  std::lock_guard<std::mutex> lock(mutex);
+  if (int(counts.size()) <= dev) counts.resize(dev + 1, 0);
+  if (counts[dev] == 0 && cudaDeviceGetAttribute(&counts[dev], cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
+    counts[dev] = 0;
+  return counts[dev];
+}
+
 bool programmatic_launch() {
   if (device_arch() < 90) return false;
   const char* env = std::getenv("MLA_KERNELS_PDL");

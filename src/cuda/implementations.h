@@ -9,6 +9,8 @@ namespace mla::cuda {
 
 // Compute capability x 10 of the current device (read once per device).
 int device_arch();
+// The current device's SM count (read once per device), 0 where it cannot be read.
+int device_sm_count();
 
 // Whether kernels may be launched as programmatic dependents of the kernel before them (sm90+,
 // unless MLA_KERNELS_PDL=0, read at each call: every kernel then starts after its predecessor

@@ -35,7 +35,6 @@ constexpr int kHeadsPerCta = 4;
 constexpr int kThreads = kHeadsPerCta * kWarpSize;
 constexpr int kColumnGroups = kHeadDimV / (4 * kWarpSize);  // a warp's lanes own one float4 each
 static_assert(kColumnGroups == 4 && kHeadDimV % (4 * kWarpSize) == 0, "d_v is four quarters of one float4 per lane");
-constexpr long long kSpreadWarps = 8192;  // warps up to which the quarters go to separate warps
 constexpr int kLoadsInFlight = 8;  // float4 loads per lane in one batch of partial rows
 constexpr int kMinCtasPerSm = 8;   // 64 registers: 32 warps per SM keep their chains in flight
 
@@ -145,12 +144,17 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) combine_kernel(Combin
 cudaError_t combine(const CombineParams& p, cudaStream_t stream, bool pdl) {
   if (p.b <= 0 || p.s_q <= 0 || p.h_q <= 0 || p.d_v != kHeadDimV) return cudaErrorInvalidValue;
   cudaLaunchConfig_t config = {};
-  // The column quarters go to separate warps (and CTAs) while the grid stays within about two
-  // resident waves of warps on an H200 (132 SMs): a few long requests spread their partials over
-  // every SM, and a large batch, most of whose CTAs find their request whole and return, does not
-  // launch four times the CTAs (b = 128, 128 heads: 4096 CTAs rather than 16384).
+  // The column quarters go to separate warps (and CTAs) while the grid stays within one resident
+  // wave of warps (kMinCtasPerSm CTAs per SM): a few long requests spread their partials over every
+  // SM, and a large batch, most of whose CTAs find their request whole and return, does not launch
+  // four times the CTAs (b = 128, 128 heads: 4096 CTAs rather than 16384). Up to two waves (8192
+  // warps on 132 SMs) was slower for the rows between one wave's quarter and half (H100, plan
+  // reused: sparse b=64 h_q=32 57.2 / 57.7 -> 56.0 / 55.6 us, b=128 h_q=16 81.4 / 81.1 -> 80.3 /
+  // 80.5; dense h_q=128 b=16 s_k=8192 varlen 87.6 -> 85.6, b=32 s_k=4096 74.3 -> 73.4).
+  const int sms = device_sm_count();
+  const long long wave = (long long)(sms > 0 ? sms : 132) * kMinCtasPerSm * kHeadsPerCta;
   const long long rows = (long long)p.b * p.s_q * p.h_q;
-  const unsigned groups = rows * 4 <= kSpreadWarps ? 4u : rows * 2 <= kSpreadWarps ? 2u : 1u;
+  const unsigned groups = rows * 4 <= wave ? 4u : rows * 2 <= wave ? 2u : 1u;
   config.gridDim = dim3(unsigned(p.b) * unsigned(p.s_q), unsigned((p.h_q + kHeadsPerCta - 1) / kHeadsPerCta), groups);
   config.blockDim = dim3(kThreads, 1, 1);
   config.stream = stream;

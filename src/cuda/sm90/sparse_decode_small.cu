@@ -58,7 +58,12 @@
 // records asked of L2 by cp.async.bulk.prefetch (-> 87.1 / 60.2); H100, plan reused, h_q=16 / 32:
 // S^T of block j issued ahead of O^T of block j - 1, so that the softmax's max, exp2 and P stores
 // run under that O^T (82.0 -> 90.5 / 57.4 -> 61.4: with two buffers, block j - 1's goes back only
-// after both land, and the producers' store into it then lies on the consumer's path).
+// after both land, and the producers' store into it then lies on the consumer's path); each key
+// buffer handed back in two halves, the key tiles of O^T's first four V tiles once those land (the
+// producers store them first), 81.3 -> 83.3 / 57.5 -> 57.6.
+// H100 (forty-second session, plan reused, means of two rounds, each part timed alone): the
+// combine in one resident wave 81.3 -> 80.4 us at h_q=16 and 57.5 -> 55.8 at h_q=32; released at
+// the start of each CTA's last piece (below; h_q=16 only) 81.3 -> 79.2.
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -229,11 +234,19 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_small_kernel(const 
     const int key_lo = warp * 16 + g;
     const auto* q = reinterpret_cast<const __nv_bfloat16*>(p.q);
     const bool q_vec = rows_16b_aligned(q, p.q_stride_b, p.q_stride_s, p.q_stride_h);
+    // The combine launches once every CTA has reached its last piece (as the dense kernels' does, see
+    // dense_decode.cu): its CTAs are resident when this kernel ends. Only at s_q = 1 with at least
+    // half as many requests as parts (about three pieces a request at most): a few long requests
+    // have few combine CTAs with many splits each, which launched early pile onto the SMs that
+    // finish first. H100, plan reused: b=128 h_q=16 81.4 / 81.1 -> 79.2 / 79.2 us; b=64 h_q=32
+    // (2 b < 132 parts) level with it, 57.0 / 57.6 against 57.2 / 57.7.
+    const bool release_early = p.s_q == 1 && 2 * p.b >= p.split.num_sm_parts;
     for (int k = 0; k < num_pieces; ++k) {
       const PlanPiece pc = decode_io::piece(p.split, plan, part, k);
       const int i = __shfl_sync(0xffffffffu, pc.req, 0);
       const int block_begin = __shfl_sync(0xffffffffu, pc.block_begin, 0);
       const int block_end = __shfl_sync(0xffffffffu, pc.block_end, 0);
+      if (release_early && k + 1 == num_pieces) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 
       // Q of this query token -> shared memory (N heads; heads past h_q zero).
       named_sync(1, 128);  // the previous piece is done with Q
