@@ -68,32 +68,40 @@ const std::vector<Implementation<SparsePrefillParams>> kPrefill = {
 
 }  // namespace
 
-int device_arch() {
-  static std::mutex mutex;
-  static std::vector<int> archs;
+namespace {
+
+// read(dev) for the current device, read once per device and kept in `cache` (0: not read yet, or
+// unreadable, and read again); 0 where the current device is unknown.
+template <typename Read>
+int once_per_device(std::mutex& mutex, std::vector<int>& cache, const Read& read) {
   int dev = 0;
   if (cudaGetDevice(&dev) != cudaSuccess) return 0;
   std::lock_guard<std::mutex> lock(mutex);
-  if (int(archs.size()) <= dev) archs.resize(dev + 1, 0);
-  if (archs[dev] == 0) {
+  if (int(cache.size()) <= dev) cache.resize(dev + 1, 0);
+  if (cache[dev] == 0) cache[dev] = read(dev);
+  return cache[dev];
+}
+
+}  // namespace
+
+int device_arch() {
+  static std::mutex mutex;
+  static std::vector<int> archs;
+  return once_per_device(mutex, archs, [](int dev) {
     int major = 0, minor = 0;
     cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
     cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
-    archs[dev] = major * 10 + minor;
-  }
-  return archs[dev];
+    return major * 10 + minor;
+  });
 }
 
 int device_sm_count() {
   static std::mutex mutex;
   static std::vector<int> counts;
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess) return 0;
-  std::lock_guard<std::mutex> lock(mutex);
-  if (int(counts.size()) <= dev) counts.resize(dev + 1, 0);
-  if (counts[dev] == 0 && cudaDeviceGetAttribute(&counts[dev], cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
-    counts[dev] = 0;
-  return counts[dev];
+  return once_per_device(mutex, counts, [](int dev) {
+    int n = 0;
+    return cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess ? n : 0;
+  });
 }
 
 bool programmatic_launch() {
