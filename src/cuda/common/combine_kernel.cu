@@ -147,10 +147,11 @@ cudaError_t combine(const CombineParams& p, cudaStream_t stream, bool pdl) {
   // The column quarters go to separate warps (and CTAs) while the grid stays within one resident
   // wave of warps (kMinCtasPerSm CTAs per SM): a few long requests spread their partials over every
   // SM, and a large batch, most of whose CTAs find their request whole and return, does not launch
-  // four times the CTAs (b = 128, 128 heads: 4096 CTAs rather than 16384). Up to two waves (8192
-  // warps on 132 SMs) was slower for the rows between one wave's quarter and half (H100, plan
-  // reused: sparse b=64 h_q=32 57.2 / 57.7 -> 56.0 / 55.6 us, b=128 h_q=16 81.4 / 81.1 -> 80.3 /
-  // 80.5; dense h_q=128 b=16 s_k=8192 varlen 87.6 -> 85.6, b=32 s_k=4096 74.3 -> 73.4).
+  // four times the CTAs (b = 128, 128 heads: 4096 CTAs rather than 16384). The earlier bound, 8192
+  // warps (two waves on 132 SMs), was slower in every shape timed where the two differ, rows from a
+  // quarter of a wave to about one wave (H100, plan reused: sparse b=64 h_q=32 57.2 / 57.7 -> 56.0 /
+  // 55.6 us, b=128 h_q=16 81.4 / 81.1 -> 80.3 / 80.5; dense h_q=128 b=16 s_k=8192 varlen 87.6 ->
+  // 85.6, b=32 s_k=4096 74.3 -> 73.4).
   const int sms = device_sm_count();
   const long long wave = (long long)(sms > 0 ? sms : 132) * kMinCtasPerSm * kHeadsPerCta;
   const long long rows = (long long)p.b * p.s_q * p.h_q;

@@ -234,8 +234,8 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_small_kernel(const 
     const int key_lo = warp * 16 + g;
     const auto* q = reinterpret_cast<const __nv_bfloat16*>(p.q);
     const bool q_vec = rows_16b_aligned(q, p.q_stride_b, p.q_stride_s, p.q_stride_h);
-    // The combine launches once every CTA has reached its last piece (as the dense kernels' does, see
-    // dense_decode.cu): its CTAs are resident when this kernel ends. Only at s_q = 1 with at least
+    // The combine launches once every CTA has reached its last piece (as the dense 64-row kernel's
+    // does, dense_decode.cu): its CTAs are resident when this kernel ends. Only at s_q = 1 with at least
     // half as many requests as parts (about three pieces a request at most): a few long requests
     // have few combine CTAs with many splits each, which launched early pile onto the SMs that
     // finish first. H100, plan reused: b=128 h_q=16 81.4 / 81.1 -> 79.2 / 79.2 us; b=64 h_q=32
