@@ -58,12 +58,14 @@ __global__ void general_plan_kernel(DecodePlanParams p) {
 TEST(CudaPlan, EqualsHostPlan) {
   std::mt19937 rng(3);
   for (int trial = 0; trial < 200; ++trial) {
-    // Trial 0: many rounds of the planner's threads. Trial 2: a line of about 6.7e9 units, past
-    // 2^32, which the fast planner must leave to the general one (in 32 bits it would wrap). Trial
-    // 6: a line just under 2^31 units, the fast planner's largest. Every third trial from 1 runs
-    // the general planner over every row.
-    const int b = trial == 0 ? 13000 : trial == 2 ? 200 : trial == 6 ? 63 : 1 + int(rng() % 3000);
-    const bool huge = trial == 2 || trial == 6, general = trial % 3 == 1;
+    // Trial 0: many rounds of the planner's threads. Trials 2 (dense) and 3 (sparse, equal
+    // requests): a line of about 6.7e9 units, past 2^32, which the fast planners must leave to the
+    // general one (in 32 bits it would wrap). Trials 6 and 7: a line just under 2^31 units, the fast
+    // planners' largest. Every third trial from 1 runs the general planner over every row. Sparse
+    // trials go without topk_length or extra_topk_length at random: with neither, every request
+    // has the same blocks and plan_decode makes the plan in closed form.
+    const int b = trial == 0 ? 13000 : trial == 2 || trial == 3 ? 200 : trial == 6 || trial == 7 ? 63 : 1 + int(rng() % 3000);
+    const bool huge = trial == 2 || trial == 3 || trial == 6 || trial == 7, general = trial % 3 == 1;
     std::vector<int32_t> lens(b), topk_len(b), extra_len(b);
     for (auto& l : lens) l = huge ? 0x7fffffff - int(rng() % 100000) : rng() % 7 == 0 ? 0 : int(rng() % 40000);
     DecodePlanParams p;
@@ -71,8 +73,9 @@ TEST(CudaPlan, EqualsHostPlan) {
     p.num_sm_parts = 1 + int(rng() % 132);
     p.fixed_cost = 1 + (trial / 2) % kPlanFixedOverheadBlocks;  // every fixed cost, dense and sparse
     const bool sparse = trial % 2;
+    const bool main_lens = !huge && rng() % 2, extra_lens = rng() % 2;
     if (sparse) {
-      p.topk = 1 + int(rng() % 4096);
+      p.topk = huge ? 0x7fffffff - int(rng() % 100000) : 1 + int(rng() % 4096);
       for (auto& l : topk_len) l = int(rng() % (p.topk + 1));
       p.extra_topk = trial % 4 == 1 ? 1 + int(rng() % 1024) : 0;
       for (auto& l : extra_len) l = int(rng() % (p.extra_topk + 1));
@@ -80,8 +83,8 @@ TEST(CudaPlan, EqualsHostPlan) {
     std::vector<int32_t> rows(p.num_sm_parts * kPlanRowInts), ns(b + 1);
     DecodePlanParams host = p;
     if (sparse) {
-      host.topk_length = topk_len.data();
-      host.extra_topk_length = p.extra_topk ? extra_len.data() : nullptr;
+      host.topk_length = main_lens ? topk_len.data() : nullptr;
+      host.extra_topk_length = p.extra_topk && extra_lens ? extra_len.data() : nullptr;
     } else {
       host.seqlens_k = lens.data();
     }
@@ -96,7 +99,7 @@ TEST(CudaPlan, EqualsHostPlan) {
     int32_t* d_rows = to_device(std::vector<int32_t>(rows.size(), -9));
     int32_t* d_ns = to_device(std::vector<int32_t>(ns.size(), -9));
     dev.seqlens_k = sparse ? nullptr : d_lens;
-    dev.topk_length = sparse ? d_topk : nullptr;
+    dev.topk_length = host.topk_length ? d_topk : nullptr;
     dev.extra_topk_length = host.extra_topk_length ? d_extra : nullptr;
     dev.tile_scheduler_metadata = d_rows;
     dev.num_splits = d_ns;
@@ -127,25 +130,28 @@ __global__ void self_plan_kernel(DecodePlanParams p, bool general) {
 TEST(CudaPlan, EachCtaMakesItsOwnRow) {
   std::mt19937 rng(5);
   for (int trial = 0; trial < 150; ++trial) {
-    // Trial 0: several rounds of 384; trial 2: a line past 2^32 units (the fast planner must
-    // decline it); trial 6: just under 2^31 (its largest); every third trial from 1 runs the
-    // general planner on an ordinary batch.
-    const int b = trial == 0 ? 2000 : trial == 2 ? 200 : trial == 6 ? 63 : 1 + int(rng() % 700);
-    const bool huge = trial == 2 || trial == 6, general = trial % 3 == 1;
+    // Trial 0: several rounds of 384; trials 2 (dense) and 3 (sparse, equal requests): a line past
+    // 2^32 units (the fast planners must decline it); trials 6 and 7: just under 2^31 (their
+    // largest); every third trial from 1 runs the general planner on an ordinary batch. Sparse
+    // trials go without topk_length at random (every request the same blocks: the closed form,
+    // with an extra cache at times).
+    const int b = trial == 0 ? 2000 : trial == 2 || trial == 3 ? 200 : trial == 6 || trial == 7 ? 63 : 1 + int(rng() % 700);
+    const bool huge = trial == 2 || trial == 3 || trial == 6 || trial == 7, general = trial % 3 == 1;
     std::vector<int32_t> lens(b), topk_len(b);
     for (auto& l : lens) l = huge ? 0x7fffffff - int(rng() % 100000) : rng() % 7 == 0 ? 0 : int(rng() % 20000);
     DecodePlanParams p;
     p.b = b;
     p.num_sm_parts = 1 + int(rng() % 132);
     p.fixed_cost = 1 + (trial / 2) % kPlanFixedOverheadBlocks;
-    const bool sparse = trial % 2;
+    const bool sparse = trial % 2, main_lens = !huge && rng() % 2;
     if (sparse) {
-      p.topk = 1 + int(rng() % 2048);
+      p.topk = huge ? 0x7fffffff - int(rng() % 100000) : 1 + int(rng() % 2048);
+      p.extra_topk = !huge && rng() % 3 == 0 ? 1 + int(rng() % 1024) : 0;
       for (auto& l : topk_len) l = int(rng() % (p.topk + 1));
     }
     std::vector<int32_t> rows(p.num_sm_parts * kPlanRowInts), ns(b + 1);
     DecodePlanParams host = p;
-    if (sparse) host.topk_length = topk_len.data();
+    if (sparse) host.topk_length = main_lens ? topk_len.data() : nullptr;
     else host.seqlens_k = lens.data();
     host.tile_scheduler_metadata = rows.data();
     host.num_splits = ns.data();
@@ -156,7 +162,7 @@ TEST(CudaPlan, EachCtaMakesItsOwnRow) {
     int32_t* d_rows = to_device(std::vector<int32_t>(rows.size(), -9));
     int32_t* d_ns = to_device(std::vector<int32_t>(ns.size(), -9));
     dev.seqlens_k = sparse ? nullptr : d_len;
-    dev.topk_length = sparse ? d_len : nullptr;
+    dev.topk_length = host.topk_length ? d_len : nullptr;
     dev.tile_scheduler_metadata = d_rows;
     dev.num_splits = d_ns;
     const size_t smem = cuda::BlockPlanner<384>::part_cost_bytes(p.num_sm_parts);

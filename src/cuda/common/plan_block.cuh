@@ -9,7 +9,10 @@
 // writes all of them: the same values). The same functions (plan.h) make the host plan, so device
 // and host plans are identical. One implementation, plan_line(), instantiated for 32-bit positions
 // (lines under 2^31 units; divisions by the few candidate widths as a multiply-high) and for 64-bit
-// ones (any line); the scans are warp shuffles and two barriers.
+// ones (any line); the scans are warp shuffles and two barriers. A call whose requests all have the
+// same blocks (sparse, without per-request lengths: the usual V3.2 call) takes plan_uniform(), the
+// same plan in closed form: checks per (width, part) instead of a pass over the requests, one
+// barrier, and the piece-count scan only where the width cuts requests.
 #pragma once
 
 #include "mla/plan.h"
@@ -65,11 +68,101 @@ struct BlockPlanner {
   // candidate widths with a multiply-high (PlanInvariantDiv); longer ones 64-bit positions and
   // divisions. The same code either way, and the same plan as the host's.
   __device__ static void plan(const DecodePlanParams& p, int only_part, Scratch& sc, void* costs) {
+    if (uniform_requests(p) && plan_uniform(p, only_part, sc)) return;
     if (!plan_line<unsigned, PlanInvariantDiv>(p, only_part, sc, costs)) run_general(p, only_part, sc, costs);
   }
   // The 64-bit planner for any line (plan() takes it past 2^31 units; tests call it directly).
   __device__ static void run_general(const DecodePlanParams& p, int only_part, Scratch& sc, void* costs) {
     plan_line<unsigned long long, PlanDiv>(p, only_part, sc, costs);
+  }
+
+  // Whether every request of p has the same blocks: a sparse call without per-request lengths (the
+  // usual V3.2 call), whose plan plan_uniform() makes in closed form.
+  __device__ static bool uniform_requests(const DecodePlanParams& p) {
+    return p.seqlens_k == nullptr && p.topk_length == nullptr && (p.extra_topk == 0 || p.extra_topk_length == nullptr);
+  }
+
+  // The plan of b requests of u units each (plan_line's plan, made without its per-request pass):
+  // request i spans units [i u, (i + 1) u) of the line and its blocks [i u + f, (i + 1) u). Width w
+  // cuts a request where a part boundary k w (0 < k w < b u) falls at more than f units into it, and
+  // part k runs the requests whose first block unit lies in [k w, (k + 1) w); both are checked per
+  // (width, part), not per request. A part's row follows from its first and last request, and with
+  // no request cut num_splits is 0, 1, .., b; else a scan of the piece counts makes it, as in
+  // plan_line. Divisions by u and by w only, as multiply-highs. Returns false, having written
+  // nothing, for a line of 2^31 units or more (the general planner makes those).
+  __device__ __noinline__ static bool plan_uniform(const DecodePlanParams& p, int only_part, Scratch& sc) {
+    const int tid = threadIdx.x, f = plan_fixed(p), parts = p.num_sm_parts, b = p.b;
+    if (b <= 0) return false;
+    const int blocks = request_blocks(p, 0);
+    const unsigned long long total64 = (unsigned long long)b * unsigned(plan_units(blocks, f));
+    if (total64 >= (1ull << 31)) return false;
+    const unsigned u = unsigned(plan_units(blocks, f)), total = unsigned(total64);
+    const unsigned w0 = (total + unsigned(parts) - 1) / unsigned(parts);
+    const PlanInvariantDiv by_u(u);
+    // Bit c: width w0 + c cuts a request or leaves a part costing more than w0 + f.
+    unsigned unfit = 0;
+#pragma unroll 1
+    for (int k = tid; k < (f + 1) * parts; k += kThreads) {
+      const int c = k / parts, part = k - c * parts;
+      const unsigned w = w0 + unsigned(c), at = unsigned(part) * w;  // the part's first unit
+      const bool cuts = part > 0 && at < total && at - unsigned(by_u(at)) * u > unsigned(f);
+      // Requests whose first block unit i u + f lies in [at, at + w).
+      const unsigned first = at >= unsigned(f) ? unsigned(by_u(at - f + u - 1)) : 0u;
+      const unsigned last_unit = at + w - 1;
+      const unsigned after = last_unit >= unsigned(f) ? min(unsigned(by_u(last_unit - f)) + 1u, unsigned(b)) : 0u;
+      const unsigned count = after > first ? after - first : 0u;
+      if (cuts || count * u > w0 + unsigned(f)) unfit |= 1u << c;
+    }
+    unfit = __reduce_or_sync(0xffffffffu, unfit);
+    if (tid % 32 == 0) sc.warp_total[tid / 32] = unfit;
+    __syncthreads();
+    unfit = 0;
+#pragma unroll
+    for (int k = 0; k < kWarps; ++k) unfit |= unsigned(sc.warp_total[k]);
+    const unsigned w = unsigned(plan_choose_width(w0, unfit, f));
+    const bool whole = !(unfit >> (w - w0) & 1u);  // no request cut (the width fits)
+    const PlanInvariantDiv by_w(w);
+
+    // Rows: part j runs requests floor(j w / u) (the one holding its first unit) to the last whose
+    // first block unit is under (j + 1) w; those two write every field a row has (plan_request_by).
+    auto make_row = [&](int j) {
+      PlanRow row = plan_idle(b);
+      const unsigned at = unsigned(j) * w, end = at + w - 1;
+      const int i0 = int(by_u(at));
+      if (end >= unsigned(f) && i0 < b) {
+        const int i1 = min(int(by_u(end - f)), b - 1);
+        if (i0 <= i1) {
+          plan_request_by(by_w, p, i0, (long long)i0 * u, blocks, w, j, &row);
+          if (i1 != i0) plan_request_by(by_w, p, i1, (long long)i1 * u, blocks, w, j, &row);
+        }
+      }
+      reinterpret_cast<PlanRow*>(p.tile_scheduler_metadata)[j] = row;
+    };
+    if (only_part >= 0) {
+      if (tid == 0) make_row(only_part);
+    } else {
+#pragma unroll 1
+      for (int j = tid; j < parts; j += kThreads) make_row(j);
+    }
+
+    if (tid == 0) p.num_splits[0] = 0;
+    if (whole) {
+#pragma unroll 1
+      for (int i = tid; i < b; i += kThreads) p.num_splits[i + 1] = i + 1;
+      return true;
+    }
+    unsigned pieces_base = 0;
+#pragma unroll 1
+    for (int round = 0; round < b; round += kThreads) {
+      const int i = round + tid;
+      const unsigned start = unsigned(i) * u;
+      const unsigned pieces = i < b ? unsigned(by_w(start + u - 1) - by_w(start + f)) + 1u : 0u;
+      unsigned round_pieces;
+      const unsigned before = exclusive_sum(pieces, sc, round_pieces);
+      if (i < b) p.num_splits[i + 1] = int(pieces_base + before + pieces);
+      pieces_base += round_pieces;
+    }
+    return true;
   }
 
   // The sum of v over the CTA, in every thread.
