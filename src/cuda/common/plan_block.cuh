@@ -125,24 +125,20 @@ struct BlockPlanner {
 
     // Rows: part j runs requests floor(j w / u) (the one holding its first unit) to the last whose
     // first block unit is under (j + 1) w; those two write every field a row has (plan_request_by).
-    auto make_row = [&](int j) {
+    // Thread 0 makes row only_part, or every thread rows tid, tid + kThreads, ...
+    const int j_first = only_part >= 0 ? (tid == 0 ? only_part : parts) : tid;
+    const int j_end = only_part >= 0 ? only_part + 1 : parts;
+#pragma unroll 1
+    for (int j = j_first; j < j_end; j += kThreads) {
+      __builtin_assume(j >= 0);  // plan_request_by writes `row` alone, never the rows in memory
       PlanRow row = plan_idle(b);
       const unsigned at = unsigned(j) * w, end = at + w - 1;
       const int i0 = int(by_u(at));
-      if (end >= unsigned(f) && i0 < b) {
-        const int i1 = min(int(by_u(end - f)), b - 1);
-        if (i0 <= i1) {
-          plan_request_by(by_w, p, i0, (long long)i0 * u, blocks, w, j, &row);
-          if (i1 != i0) plan_request_by(by_w, p, i1, (long long)i1 * u, blocks, w, j, &row);
-        }
-      }
-      reinterpret_cast<PlanRow*>(p.tile_scheduler_metadata)[j] = row;
-    };
-    if (only_part >= 0) {
-      if (tid == 0) make_row(only_part);
-    } else {
+      const int i1 = end >= unsigned(f) ? min(int(by_u(end - f)), b - 1) : -1;
 #pragma unroll 1
-      for (int j = tid; j < parts; j += kThreads) make_row(j);
+      for (int i = i0; i <= i1; i = i < i1 ? i1 : i1 + 1)
+        plan_request_by(by_w, p, i, (long long)i * u, blocks, w, j, &row);
+      reinterpret_cast<PlanRow*>(p.tile_scheduler_metadata)[j] = row;
     }
 
     if (tid == 0) p.num_splits[0] = 0;
