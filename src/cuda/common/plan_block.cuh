@@ -12,7 +12,8 @@
 // ones (any line); the scans are warp shuffles and two barriers. A call whose requests all have the
 // same blocks (sparse, without per-request lengths: the usual V3.2 call) takes plan_uniform(), the
 // same plan in closed form: checks per (width, part) instead of a pass over the requests, one
-// barrier, and the piece-count scan only where the width cuts requests.
+// barrier, and the piece-count scan only where the width cuts requests. H100, whole V3.2 calls
+// (forty-third session): 2.6 us faster at b=128 h_q=16, 2.2 at b=64 h_q=32, 3.5 at b=128 h_q=128.
 #pragma once
 
 #include "mla/plan.h"

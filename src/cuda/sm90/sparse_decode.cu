@@ -40,7 +40,9 @@
 // 1.04x); b=32 s_q=2 96.6 (99.0, 1.02x); MODEL1 b=128 h_q=128 mixed with sink 84.9 (105.7, 1.24x).
 // On an H100 (thirty-seventh session, the same kernels with the records evict-first in L2): V3.2
 // b=128 h_q=128 184.0 us (FlashMLA 209.1, 1.14x); s_q=2 b=128 346.0 (377.2, 1.09x), b=32 98.9
-// (106.9, 1.08x); MODEL1 b=128 h_q=128 mixed with sink 89.2 (109.3, 1.23x).
+// (106.9, 1.08x); MODEL1 b=128 h_q=128 mixed with sink 89.2 (109.3, 1.23x). Forty-third session,
+// H100, the V3.2 plan in closed form (no topk_length; plan_block.cuh): b=128 h_q=128 185.1 / 183.4
+// -> 180.2 / 181.3 us over two rounds (FlashMLA 208.2-210.3, 1.16x).
 // With both plans reused the kernels are level with FlashMLA's (tenth session: 172.9 against
 // 173.7). The largest steps: the cluster crossover 515 -> 357 us; st.async instead of cluster-scope
 // fences 357 -> 316; per-thread store offsets, the index a step ahead, lengths once per request

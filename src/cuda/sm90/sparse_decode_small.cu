@@ -64,6 +64,10 @@
 // H100 (forty-second session, plan reused, means of two rounds, each part timed alone): the
 // combine in one resident wave 81.3 -> 80.4 us at h_q=16 and 57.5 -> 55.8 at h_q=32; released at
 // the start of each CTA's last piece (below; h_q=16 only) 81.3 -> 79.2.
+// H100 (forty-third session, whole calls beside FlashMLA padded, two rounds): a V3.2 call without
+// topk_length planned in closed form (plan_block.cuh) 88.0 / 87.2 -> 85.3 / 84.7 us at h_q=16
+// (FlashMLA 153.3-154.2: 1.80-1.81x) and 64.1 / 63.4 -> 61.4 / 61.6 at b=64 h_q=32 (110.4-110.8:
+// 1.79-1.80x).
 #include <cuda_runtime.h>
 
 #include <cstdint>
