@@ -95,9 +95,10 @@ struct BlockPlanner {
     const int tid = threadIdx.x, f = plan_fixed(p), parts = p.num_sm_parts, b = p.b;
     if (b <= 0) return false;
     const int blocks = request_blocks(p, 0);
-    const unsigned long long total64 = (unsigned long long)b * unsigned(plan_units(blocks, f));
+    const unsigned u = unsigned(plan_units(blocks, f));
+    const unsigned long long total64 = (unsigned long long)b * u;
     if (total64 >= (1ull << 31)) return false;
-    const unsigned u = unsigned(plan_units(blocks, f)), total = unsigned(total64);
+    const unsigned total = unsigned(total64);
     const unsigned w0 = (total + unsigned(parts) - 1) / unsigned(parts);
     const PlanInvariantDiv by_u(u);
     // Bit c: width w0 + c cuts a request or leaves a part costing more than w0 + f.
