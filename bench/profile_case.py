@@ -22,12 +22,14 @@ parser.add_argument("cases", nargs="+", help="bench_decode case names (or dense_
 parser.add_argument("--flashmla", metavar="DIR", help="profile FlashMLA's kernels on the same inputs")
 parser.add_argument("--reuse-plan", action="store_true",
                     help="call twice with one scheduler object: the second call runs on the first's plan")
+parser.add_argument("--repeat", type=int, default=1, metavar="N",
+                    help="make the (last) call N times, for a warm profile: ncu -s skips the first ones")
 args = parser.parse_args()
 B.REUSE_PLAN = args.reuse_plan
 api = B.load_flashmla(args.flashmla) if args.flashmla else B.flash_mla
 for name in args.cases:
     torch.manual_seed(zlib.crc32(name.encode()))  # the benchmark's inputs, the same for both libraries
     call, _, _, _ = B.case_by_name(name)(api=api)
-    for _ in range(2 if args.reuse_plan else 1):
+    for _ in range((1 if args.reuse_plan else 0) + max(args.repeat, 1)):
         call()
     torch.cuda.synchronize()
