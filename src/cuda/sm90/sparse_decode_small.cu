@@ -68,6 +68,12 @@
 // topk_length planned in closed form (plan_block.cuh) 88.0 / 87.2 -> 85.3 / 84.7 us at h_q=16
 // (FlashMLA 153.3-154.2: 1.80-1.81x) and 64.1 / 63.4 -> 61.4 / 61.6 at b=64 h_q=32 (110.4-110.8:
 // 1.79-1.80x).
+// H100 (forty-fourth session, whole calls, two rounds): 82.2-82.3 us at h_q=16 (FlashMLA padded
+// 152.2-152.6: 1.85-1.86x), 61.4-61.5 at b=64 h_q=32 (1.79x); warm in ncu the h_q=16 kernel keeps
+// the DRAM at 2.22 TB/s, 90% of the records-alone gather rate. Measured slower: a slot's records
+// located before its store and its loads written in as each chunk is dequantised (ptxas sinks them
+// to just before the proxy fence that ends the store): 82.2 -> 85.2 us at h_q=16; the same loads
+// held between extra fences 106.2. A slot's loads go out after its block is handed over (below).
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -216,6 +222,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_small_kernel(const 
       mbar_arrive(&sm.full[buf]);
       ++block_count;
       --pending;
+      // Refilled only now: loads issued ahead of the fence made the call slower (see the header).
       load_next(slot);
       return true;
     };
