@@ -3,6 +3,9 @@
     ncu --clock-control none -k regex:dense_decode_kernel -c 1 --set full --import-source yes \
         python3 bench/profile_case.py dense_b128_h16_sk8192
 
+For a warm launch (caches kept from the launches before it): --repeat 6 here, and ncu's
+--cache-control none -s 4, which profiles the fifth.
+
 With --flashmla DIR the cases call FlashMLA (the `flash_mla` package in DIR, built from source
 outside this repository) instead, so that its kernels can be profiled on the same inputs.
 (tools/gpu.sh's `profile` step does this and writes the reports to $OUT.)"""
