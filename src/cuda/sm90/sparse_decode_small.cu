@@ -74,6 +74,10 @@
 // located before its store and its loads written in as each chunk is dequantised (ptxas sinks them
 // to just before the proxy fence that ends the store): 82.2 -> 85.2 us at h_q=16; the same loads
 // held between extra fences 106.2. A slot's loads go out after its block is handed over (below).
+// H100 (forty-fifth session, whole calls, two rounds; h_q=16 / b=64 h_q=32 / MODEL1 h_q=16), measured
+// no faster than 84.8 / 61.5 / 41.2 us: the record located during the empty-buffer wait, its loads
+// right after the arrive 86.9 / 60.8 / 42.1; the next block's index prefetched into L1 84.7 / 61.4
+// / 41.2; V3.2 records skipping L1 at N = 32 67.9 at h_q=32.
 #include <cuda_runtime.h>
 
 #include <cstdint>
