@@ -78,6 +78,8 @@
 // no faster than 84.8 / 61.5 / 41.2 us: the record located during the empty-buffer wait, its loads
 // right after the arrive 86.9 / 60.8 / 42.1; the next block's index prefetched into L1 84.7 / 61.4
 // / 41.2; V3.2 records skipping L1 at N = 32 67.9 at h_q=32.
+// H200 (forty-fifth session, whole calls, two runs): V3.2 b=128 h_q=16 76.7-76.9 us (FlashMLA padded
+// 148.6-148.8: 1.94x), b=64 h_q=32 60.7 (105.6-105.8: 1.74x), MODEL1 b=128 h_q=16 39.5 (2.67-2.68x).
 #include <cuda_runtime.h>
 
 #include <cstdint>
