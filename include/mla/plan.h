@@ -203,6 +203,50 @@ MLA_HD long long plan_choose_width(long long w, unsigned unfit, int f) {
   return w;
 }
 
+// Whether every request of p has the same blocks: a sparse call without per-request lengths (the
+// usual V3.2 call). Its plan follows from its shape alone (plan_uniform_unfit).
+MLA_HD bool plan_uniform_requests(const DecodePlanParams& p) {
+  return p.seqlens_k == nullptr && p.topk_length == nullptr && (p.extra_topk == 0 || p.extra_topk_length == nullptr);
+}
+
+// The planner's test for width w0 + c on a line of b requests of u units each (total = b u units,
+// under 2^31; f the fixed cost) at part `part`: whether a part boundary falls more than f units into
+// a request (cuts it), or the requests whose first block unit lies in the part's units cost more
+// than w0 + f. Bit c of the width choice is unfit where any part's test is true. by_u divides by u.
+template <class Div>
+MLA_HD bool plan_uniform_unfit(const Div& by_u, unsigned u, unsigned total, unsigned w0, int f, int b, int c,
+                               int part) {
+  const unsigned w = w0 + unsigned(c), at = unsigned(part) * w;  // the part's first unit
+  const bool cuts = part > 0 && at < total && at - unsigned(by_u(at)) * u > unsigned(f);
+  const unsigned first = at >= unsigned(f) ? unsigned(by_u(at - f + u - 1)) : 0u;
+  const unsigned last_unit = at + w - 1;
+  const unsigned last = last_unit >= unsigned(f) ? unsigned(by_u(last_unit - f)) + 1u : 0u;
+  const unsigned after = last < unsigned(b) ? last : unsigned(b);
+  const unsigned count = after > first ? after - first : 0u;
+  return cuts || count * u > w0 + unsigned(f);
+}
+
+// Whether the plan of a call with uniform requests (plan_uniform_requests) keeps every request whole,
+// which its shape alone decides: some width in [W, W + f] passes plan_uniform_unfit at every part.
+// Then no request is split and the combine has nothing to merge. False where the closed-form plan
+// does not apply (no requests, a line of 2^31 units or more). Host code: at most (f + 1) x
+// num_sm_parts tests, stopping at the first width that fits.
+inline bool plan_uniform_whole(const DecodePlanParams& p) {
+  if (!plan_uniform_requests(p) || p.b <= 0 || p.num_sm_parts <= 0) return false;
+  const int f = plan_fixed(p), parts = p.num_sm_parts;
+  const unsigned u = unsigned(plan_units(request_blocks(p, 0), f));
+  const unsigned long long total64 = (unsigned long long)p.b * u;
+  if (total64 >= (1ull << 31)) return false;
+  const unsigned total = unsigned(total64), w0 = (total + unsigned(parts) - 1) / unsigned(parts);
+  const PlanInvariantDiv by_u(u);
+  for (int c = 0; c <= f; ++c) {
+    bool fits = true;
+    for (int part = 0; part < parts && fits; ++part) fits = !plan_uniform_unfit(by_u, u, total, w0, f, p.b, c, part);
+    if (fits) return true;
+  }
+  return false;
+}
+
 // A part with no piece (its units hold no block): begin_req = b. Every row starts as this one.
 MLA_HD PlanRow plan_idle(int b) {
   PlanRow r;

@@ -127,6 +127,45 @@ TEST(Plan, DenseFewRowsKeepUniformRequestsWhole) {
   expect_covers_exactly(h);
 }
 
+TEST(Plan, UniformWholeFromTheShapeAloneMatchesThePlan) {
+  // plan_uniform_whole (which lets a Hopper sparse call that planned for itself skip the combine)
+  // says "whole" exactly where the plan cuts no request, over batches, topk (main and extra),
+  // part counts and both fixed costs; and never for a call with per-request lengths.
+  int whole = 0, split = 0;
+  for (int parts : {1, 7, 33, 66, 78, 132})
+    for (int topk : {1, 64, 200, 2048})
+      for (int extra : {0, 100})
+        for (int f : {kPlanFewRowsFixedBlocks, kPlanFixedOverheadBlocks})
+          for (int b = 1; b <= 2 * parts + 3; b += b < 40 ? 1 : 7) {
+            DecodePlanParams p;
+            p.b = b, p.num_sm_parts = parts, p.topk = topk, p.extra_topk = extra, p.fixed_cost = f;
+            const HostPlan h = make_plan(p);
+            bool none_cut = true;
+            for (int i = 0; i < b; ++i) none_cut = none_cut && h.num_splits[i + 1] - h.num_splits[i] == 1;
+            EXPECT_EQ(plan_uniform_whole(p), none_cut)
+                << "b " << b << " parts " << parts << " topk " << topk << " extra " << extra << " f " << f;
+            ++(none_cut ? whole : split);
+          }
+  EXPECT_GT(whole, 100);
+  EXPECT_GT(split, 100);
+  SparseDecodeParams sp;  // the benchmark's V3.2 shapes on 132 SMs
+  sp.b = 128, sp.s_q = 1, sp.h_q = 16, sp.topk = 2048;
+  sp.split.num_sm_parts = 132;
+  EXPECT_TRUE(plan_uniform_whole(sparse_plan_params(sp)));
+  sp.b = 64, sp.h_q = 32;
+  EXPECT_FALSE(plan_uniform_whole(sparse_plan_params(sp)));
+  sp.b = 128, sp.h_q = 128, sp.split.num_sm_parts = 66;
+  EXPECT_TRUE(plan_uniform_whole(sparse_plan_params(sp)));
+  const std::vector<int32_t> lens(128, 2048);
+  DecodePlanParams with_lengths = sparse_plan_params(sp);
+  with_lengths.topk_length = lens.data();
+  EXPECT_FALSE(plan_uniform_whole(with_lengths)) << "per-request lengths: only the device knows them";
+  with_lengths.topk_length = nullptr, with_lengths.extra_topk = 64, with_lengths.extra_topk_length = lens.data();
+  EXPECT_FALSE(plan_uniform_whole(with_lengths));
+  with_lengths.extra_topk_length = nullptr, with_lengths.b = 0;
+  EXPECT_FALSE(plan_uniform_whole(with_lengths)) << "no requests";
+}
+
 TEST(Plan, EachPartAloneMakesTheSameRow) {
   // An attention kernel that plans for itself makes num_splits and its own part's row only: on
   // random dense and sparse batches that row and num_splits equal the whole plan's.

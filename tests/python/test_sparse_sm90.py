@@ -5,6 +5,10 @@ the float64 reference, both formats, every feature (sink, topk_length, extra cac
 page size, extra_topk_length, invalid and duplicate indices, lonely rows, requests split across
 parts)."""
 
+import json
+import os
+import tempfile
+
 import pytest
 import torch
 
@@ -101,3 +105,46 @@ def test_hopper_kernels_make_the_planners_plan(h_q, s_q, b, monkeypatch):
     monkeypatch.delenv("MLA_KERNELS_IMPL", raising=False)
     again = flash_mla.flash_mla_with_kvcache(q, kv8, None, None, 512, own, **args)
     assert torch.equal(out, again[0]) and torch.equal(lse, again[1])
+
+
+def kernels_launched(call):
+    """Names of the CUDA kernels `call()` launches, in start order (torch.profiler's trace)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        result = call()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+    return [e["name"] for e in sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])], result
+
+
+@pytest.mark.parametrize("fmt,h_q", [("v32", 16), ("v32", 32), ("model1", 16), ("v32", 128)])
+def test_whole_uniform_calls_skip_the_combine(fmt, h_q, monkeypatch):
+    """A call without per-request lengths that plans for itself, with as many requests as parts
+    (one whole request each): the attention kernel alone, right against the reference, the plan
+    it stores with no split. Two requests (each split over the parts): the combine runs after it.
+    A reused plan always gets the combine (the host cannot see what it holds)."""
+    monkeypatch.delenv("MLA_KERNELS_IMPL", raising=False)
+    parts = torch.cuda.get_device_properties(0).multi_processor_count // (1 if h_q <= 64 else 2)
+    for b, whole in ((parts, True), (2, False)):
+        main, _ = build(fmt, b, 1, 300, 128, 64, device="cuda")
+        q = R.rand((b, 1, h_q, R.FORMATS[fmt].d))
+        sink = R.make_sink(h_q, "finite")
+        names, (out, lse) = kernels_launched(lambda: check_sparse(q, main, None, sink, 1.0, device="cuda"))
+        attention = [n for n in names if "sparse_decode" in n]
+        combine = [n for n in names if "combine" in n]
+        assert len(attention) == 1, names
+        assert len(combine) == (0 if whole else 1), f"b={b}: {names}"
+
+        meta, _ = flash_mla.get_mla_metadata()
+        args = dict(softmax_scale=1.0, is_fp8_kvcache=True, indices=main.indices.cuda(), attn_sink=sink.cuda())
+        kv8, qd = main.kv8.cuda(), q.cuda()
+        fresh = flash_mla.flash_mla_with_kvcache(qd, kv8, None, None, 512, meta, **args)
+        splits = meta.num_splits.cpu()
+        assert torch.equal(splits[1:] - splits[:-1] == 1, torch.full((b,), whole)), splits
+        names, again = kernels_launched(lambda: flash_mla.flash_mla_with_kvcache(qd, kv8, None, None, 512, meta, **args))
+        assert len([n for n in names if "combine" in n]) == 1, names
+        assert torch.equal(fresh[0], again[0]) and torch.equal(fresh[1], again[1])
+        assert torch.equal(fresh[0].cpu(), out) and torch.equal(fresh[1].cpu(), lse)

@@ -69,18 +69,12 @@ struct BlockPlanner {
   // candidate widths with a multiply-high (PlanInvariantDiv); longer ones 64-bit positions and
   // divisions. The same code either way, and the same plan as the host's.
   __device__ static void plan(const DecodePlanParams& p, int only_part, Scratch& sc, void* costs) {
-    if (uniform_requests(p) && plan_uniform(p, only_part, sc)) return;
+    if (plan_uniform_requests(p) && plan_uniform(p, only_part, sc)) return;
     if (!plan_line<unsigned, PlanInvariantDiv>(p, only_part, sc, costs)) run_general(p, only_part, sc, costs);
   }
   // The 64-bit planner for any line (plan() takes it past 2^31 units; tests call it directly).
   __device__ static void run_general(const DecodePlanParams& p, int only_part, Scratch& sc, void* costs) {
     plan_line<unsigned long long, PlanDiv>(p, only_part, sc, costs);
-  }
-
-  // Whether every request of p has the same blocks: a sparse call without per-request lengths (the
-  // usual V3.2 call), whose plan plan_uniform() makes in closed form.
-  __device__ static bool uniform_requests(const DecodePlanParams& p) {
-    return p.seqlens_k == nullptr && p.topk_length == nullptr && (p.extra_topk == 0 || p.extra_topk_length == nullptr);
   }
 
   // The plan of b requests of u units each (plan_line's plan, made without its per-request pass):
@@ -106,14 +100,7 @@ struct BlockPlanner {
 #pragma unroll 1
     for (int k = tid; k < (f + 1) * parts; k += kThreads) {
       const int c = k / parts, part = k - c * parts;
-      const unsigned w = w0 + unsigned(c), at = unsigned(part) * w;  // the part's first unit
-      const bool cuts = part > 0 && at < total && at - unsigned(by_u(at)) * u > unsigned(f);
-      // Requests whose first block unit i u + f lies in [at, at + w).
-      const unsigned first = at >= unsigned(f) ? unsigned(by_u(at - f + u - 1)) : 0u;
-      const unsigned last_unit = at + w - 1;
-      const unsigned after = last_unit >= unsigned(f) ? min(unsigned(by_u(last_unit - f)) + 1u, unsigned(b)) : 0u;
-      const unsigned count = after > first ? after - first : 0u;
-      if (cuts || count * u > w0 + unsigned(f)) unfit |= 1u << c;
+      if (plan_uniform_unfit(by_u, u, total, w0, f, b, c, part)) unfit |= 1u << c;
     }
     unfit = __reduce_or_sync(0xffffffffu, unfit);
     if (tid % 32 == 0) sc.warp_total[tid / 32] = unfit;

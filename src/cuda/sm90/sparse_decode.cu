@@ -452,7 +452,7 @@ cudaError_t sm90_sparse_decode(const SparseDecodeParams& p, cudaStream_t stream)
   const cudaError_t err = p.format == KvFormat::kV32 ? sm90_sparse::launch_for_heads<KvFormat::kV32>(p, stream)
                                                      : sm90_sparse::launch_for_heads<KvFormat::kModel1>(p, stream);
   if (err != cudaSuccess) return err;
-  return combine(combine_params(p.b, p.s_q, p.h_q, p.split, p.o, p.attn_sink), stream, /*pdl=*/true);
+  return combine_sparse(p, stream);
 }
 
 }  // namespace mla::cuda

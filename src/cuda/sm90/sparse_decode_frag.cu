@@ -536,7 +536,7 @@ cudaError_t sm90_sparse_decode_frag(const SparseDecodeParams& p, cudaStream_t st
   err = launch_dependent(sparse_decode_frag_kernel, dim3(1, unsigned(p.s_q), unsigned(p.split.num_sm_parts)),
                          kThreads, smem, stream, p);
   if (err != cudaSuccess) return err;
-  return combine(combine_params(p.b, p.s_q, p.h_q, p.split, p.o, p.attn_sink), stream, /*pdl=*/true);
+  return combine_sparse(p, stream);
 }
 
 }  // namespace mla::cuda

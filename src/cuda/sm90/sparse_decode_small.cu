@@ -362,7 +362,7 @@ cudaError_t sm90_sparse_decode_small(const SparseDecodeParams& p, cudaStream_t s
   else
     err = p.h_q <= 16 ? launch<KvFormat::kModel1, 16>(p, stream) : launch<KvFormat::kModel1, 32>(p, stream);
   if (err != cudaSuccess) return err;
-  return combine(combine_params(p.b, p.s_q, p.h_q, p.split, p.o, p.attn_sink), stream, /*pdl=*/true);
+  return combine_sparse(p, stream);
 }
 
 }  // namespace mla::cuda
