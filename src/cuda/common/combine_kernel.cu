@@ -61,6 +61,12 @@ template <typename OutT, int kQuarters>
 __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) combine_kernel(CombineParams p) {
   constexpr int kBatch = kLoadsInFlight / kQuarters;  // splits per batch of loads
   static_assert(kBatch * kQuarters == kLoadsInFlight && kWarpSize % kBatch == 0, "a batch never crosses a 32-split round");
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // The next kernel on the stream, where it is a programmatic dependent (the next call's attention
+  // kernel), launches once every CTA here has started: its CTAs take SMs as these drain, and wait
+  // for this grid to end before they read anything.
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
   const int i = blockIdx.x / p.s_q, s = blockIdx.x % p.s_q;
   const int h = blockIdx.y * kHeadsPerCta + warp;
