@@ -16,6 +16,7 @@ cudaError_t plan_decode(const DecodePlanParams& params, cudaStream_t stream);
 
 // Merges the split partials of a decode call into out / lse, applying the attention sink; launched
 // with programmatic dependent launch when `pdl` is set (sm90+), so it overlaps the attention tail.
+// It releases the next programmatic dependent on the stream as it starts (see dense_decode).
 cudaError_t combine(const CombineParams& params, cudaStream_t stream, bool pdl = false);
 
 // Name of the implementation a call of `op` with `features` would run on the current device
@@ -30,6 +31,9 @@ const char* implementation_name(OpKind op, uint32_t features);
 // naming it; device data (lengths, indices, block tables) cannot be checked without a host sync.
 // Alignment: q, caches and their strides at 16 bytes; out at 4 bytes with even strides (an error
 // naming out otherwise; rows on 16 bytes take the sm90 kernels' wider stores).
+// On sm90 the call's last kernel may release a kernel launched after it as a programmatic dependent
+// (cudaLaunchAttributeProgrammaticStreamSerialization) before it ends: such a kernel must call
+// cudaGridDependencySynchronize() before it reads out or lse, as the programmatic launch requires.
 cudaError_t dense_decode(const DenseDecodeParams& params, cudaStream_t stream);
 cudaError_t sparse_decode(const SparseDecodeParams& params, cudaStream_t stream);
 

@@ -18,7 +18,8 @@ int device_sm_count();
 bool programmatic_launch();
 
 // The combine of a decode call's split pieces (sink: the sparse call's attention sink, or null),
-// which every decode implementation launches after its attention kernel.
+// which every decode implementation launches after its attention kernel (the Hopper sparse ones
+// not where their own plan keeps every request whole: combine_sparse).
 inline CombineParams combine_params(int b, int s_q, int h_q, const DecodeSplit& split, const DecodeOutput& o,
                                     const float* sink) {
   CombineParams c;
