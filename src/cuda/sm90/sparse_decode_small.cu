@@ -80,6 +80,10 @@
 // / 41.2; V3.2 records skipping L1 at N = 32 67.9 at h_q=32.
 // H200 (forty-fifth session, whole calls, two runs): V3.2 b=128 h_q=16 76.7-76.9 us (FlashMLA padded
 // 148.6-148.8: 1.94x), b=64 h_q=32 60.7 (105.6-105.8: 1.74x), MODEL1 b=128 h_q=16 39.5 (2.67-2.68x).
+// H100 (forty-sixth session, whole calls, three rounds): no combine after a call whose own plan keeps
+// every request whole (combine_sparse) and the combine releasing the next call as it starts: V3.2
+// b=128 h_q=16 82.6-84.2 -> 80.5-81.3 us (FlashMLA padded 151.9-153.4: 1.88-1.89x), b=64 h_q=32
+// 61.2-62.0 -> 60.1-61.4 (1.80-1.82x).
 #include <cuda_runtime.h>
 
 #include <cstdint>
