@@ -34,17 +34,22 @@ def spans_of_events(events, replays):
     return [(name, t0, t1) for t0, t1, name in spans[len(spans) - per_replay:]]
 
 
-def kernel_spans(graph, replays=3):
-    """The spans of the last of `replays` replays of `graph`, from torch.profiler's trace."""
+def profiled(run):
+    """run()'s result and the events of torch.profiler's trace of it (CUDA activity; the device is
+    synchronised before the trace ends)."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(replays):
-            graph.replay()
+        result = run()
         torch.cuda.synchronize()
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "trace.json")
         prof.export_chrome_trace(path)
         with open(path) as f:
-            events = json.load(f)["traceEvents"]
+            return result, json.load(f)["traceEvents"]
+
+
+def kernel_spans(graph, replays=3):
+    """The spans of the last of `replays` replays of `graph`, from torch.profiler's trace."""
+    _, events = profiled(lambda: [graph.replay() for _ in range(replays)])
     return spans_of_events(events, replays)
 
 

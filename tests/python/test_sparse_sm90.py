@@ -5,9 +5,8 @@ the float64 reference, both formats, every feature (sink, topk_length, extra cac
 page size, extra_topk_length, invalid and duplicate indices, lonely rows, requests split across
 parts)."""
 
-import json
 import os
-import tempfile
+import sys
 
 import pytest
 import torch
@@ -15,6 +14,9 @@ import torch
 import mla_kernels.flash_mla as flash_mla
 import reference as R
 from test_sparse_decode import build, check_sparse
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench"))
+import call_timeline as T  # noqa: E402
 
 pytestmark = pytest.mark.cuda
 
@@ -108,16 +110,9 @@ def test_hopper_kernels_make_the_planners_plan(h_q, s_q, b, monkeypatch):
 
 
 def kernels_launched(call):
-    """Names of the CUDA kernels `call()` launches, in start order (torch.profiler's trace)."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        result = call()
-        torch.cuda.synchronize()
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "trace.json")
-        prof.export_chrome_trace(path)
-        with open(path) as f:
-            events = json.load(f)["traceEvents"]
-    return [e["name"] for e in sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])], result
+    """Names of the CUDA kernels `call()` launches, in start order, and its result."""
+    result, events = T.profiled(call)
+    return [name for name, _, _ in T.spans_of_events(events, replays=1)], result
 
 
 @pytest.mark.parametrize("fmt,h_q", [("v32", 16), ("v32", 32), ("model1", 16), ("v32", 128)])
