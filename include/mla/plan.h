@@ -226,22 +226,42 @@ MLA_HD bool plan_uniform_unfit(const Div& by_u, unsigned u, unsigned total, unsi
   return cuts || count * u > w0 + unsigned(f);
 }
 
+// The line of a call with uniform requests: b requests of `blocks` blocks, u = blocks + f units
+// each, total = b u units, W = w0. `ok` false where the closed-form plan does not apply (no
+// requests or parts, a line of 2^31 units or more: the general planner makes those).
+struct PlanUniformLine {
+  bool ok = false;
+  int f = 0, blocks = 0;
+  unsigned u = 0, total = 0, w0 = 0;
+};
+MLA_HD PlanUniformLine plan_uniform_line(const DecodePlanParams& p) {
+  PlanUniformLine l;
+  if (p.b <= 0 || p.num_sm_parts <= 0) return l;
+  l.f = plan_fixed(p);
+  l.blocks = request_blocks(p, 0);
+  l.u = unsigned(plan_units(l.blocks, l.f));
+  const unsigned long long total = (unsigned long long)p.b * l.u;
+  if (total >= (1ull << 31)) return l;
+  l.total = unsigned(total);
+  l.w0 = (l.total + unsigned(p.num_sm_parts) - 1) / unsigned(p.num_sm_parts);
+  l.ok = true;
+  return l;
+}
+
 // Whether the plan of a call with uniform requests (plan_uniform_requests) keeps every request whole,
 // which its shape alone decides: some width in [W, W + f] passes plan_uniform_unfit at every part.
 // Then no request is split and the combine has nothing to merge. False where the closed-form plan
-// does not apply (no requests, a line of 2^31 units or more). Host code: at most (f + 1) x
-// num_sm_parts tests, stopping at the first width that fits.
+// does not apply. Host code: at most (f + 1) x num_sm_parts tests, stopping at the first width that
+// fits and at a width's first unfit part.
 inline bool plan_uniform_whole(const DecodePlanParams& p) {
-  if (!plan_uniform_requests(p) || p.b <= 0 || p.num_sm_parts <= 0) return false;
-  const int f = plan_fixed(p), parts = p.num_sm_parts;
-  const unsigned u = unsigned(plan_units(request_blocks(p, 0), f));
-  const unsigned long long total64 = (unsigned long long)p.b * u;
-  if (total64 >= (1ull << 31)) return false;
-  const unsigned total = unsigned(total64), w0 = (total + unsigned(parts) - 1) / unsigned(parts);
-  const PlanInvariantDiv by_u(u);
-  for (int c = 0; c <= f; ++c) {
+  if (!plan_uniform_requests(p)) return false;
+  const PlanUniformLine l = plan_uniform_line(p);
+  if (!l.ok) return false;
+  const PlanInvariantDiv by_u(l.u);
+  for (int c = 0; c <= l.f; ++c) {
     bool fits = true;
-    for (int part = 0; part < parts && fits; ++part) fits = !plan_uniform_unfit(by_u, u, total, w0, f, p.b, c, part);
+    for (int part = 0; part < p.num_sm_parts && fits; ++part)
+      fits = !plan_uniform_unfit(by_u, l.u, l.total, l.w0, l.f, p.b, c, part);
     if (fits) return true;
   }
   return false;

@@ -86,14 +86,10 @@ struct BlockPlanner {
   // plan_line. Divisions by u and by w only, as multiply-highs. Returns false, having written
   // nothing, for a line of 2^31 units or more (the general planner makes those).
   __device__ __noinline__ static bool plan_uniform(const DecodePlanParams& p, int only_part, Scratch& sc) {
-    const int tid = threadIdx.x, f = plan_fixed(p), parts = p.num_sm_parts, b = p.b;
-    if (b <= 0) return false;
-    const int blocks = request_blocks(p, 0);
-    const unsigned u = unsigned(plan_units(blocks, f));
-    const unsigned long long total64 = (unsigned long long)b * u;
-    if (total64 >= (1ull << 31)) return false;
-    const unsigned total = unsigned(total64);
-    const unsigned w0 = (total + unsigned(parts) - 1) / unsigned(parts);
+    const PlanUniformLine line = plan_uniform_line(p);
+    if (!line.ok) return false;
+    const int tid = threadIdx.x, f = line.f, parts = p.num_sm_parts, b = p.b, blocks = line.blocks;
+    const unsigned u = line.u, total = line.total, w0 = line.w0;
     const PlanInvariantDiv by_u(u);
     // Bit c: width w0 + c cuts a request or leaves a part costing more than w0 + f.
     unsigned unfit = 0;
