@@ -22,6 +22,8 @@
 // smallest W' in [W, W + overhead] that splits no request and leaves no part costing more than
 // W + overhead, if there is one (with no request split, a part's cost is the sum of its requests'
 // units), else W.
+// Requests that all have the same blocks (plan_uniform_requests) at most half as many as the parts
+// may instead be split evenly, one piece per part (plan_even_pieces), where that part is shorter.
 // Everything here is host-and-device code so the CPU backend, the device planner and the kernels
 // read a plan the same way.
 #pragma once
@@ -226,6 +228,47 @@ MLA_HD bool plan_uniform_unfit(const Div& by_u, unsigned u, unsigned total, unsi
   return cuts || count * u > w0 + unsigned(f);
 }
 
+// A part with no piece (its units hold no block): begin_req = b. Every row starts as this one.
+MLA_HD PlanRow plan_idle(int b) {
+  PlanRow r;
+  r.begin_req = b, r.end_req = b - 1;
+  r.begin_block = r.end_block = r.begin_split = r.first_split = r.last_split = 0;
+  r.batch = b;
+  return r;
+}
+MLA_HD void plan_idle_row(const DecodePlanParams& p, int part) {
+  reinterpret_cast<PlanRow*>(p.tile_scheduler_metadata)[part] = plan_idle(p.b);
+}
+
+// The even split of a call with uniform requests (b requests of `blocks` blocks, total = b u units
+// under 2^31): k = num_sm_parts / b pieces per request, `per` = ceil(blocks / k) blocks each (the
+// last one fewer), part j running piece j % k of request j / k, one piece per part. The line's plan
+// (width w; `whole`: it cuts no request) cuts where the units fall, so a part that continues a
+// request runs up to w blocks and then pays its piece's fixed cost off the line: b = 64 requests of
+// 32 blocks over 132 parts (f = 2) get parts of 15 and 17 blocks, where halves of 16 would do. The
+// even split is taken where its piece, fixed cost included, is shorter than the line's longest
+// part. Returns k (0: keep the line's plan).
+MLA_HD int plan_even_pieces(int b, int blocks, int f, int parts, long long w, bool whole) {
+  if (b <= 0 || blocks < 2 || parts / b < 2) return 0;
+  const int k0 = parts / b < blocks ? parts / b : blocks;
+  const int per = ceil_div(blocks, k0);
+  const long long line = whole ? w : w + f;
+  return per + f < line ? ceil_div(blocks, per) : 0;  // k0 pieces of per may leave the last empty
+}
+MLA_HD int plan_even_per(int blocks, int k) { return ceil_div(blocks, k); }
+// Row j of an even split of k pieces per request (plan_even_pieces).
+MLA_HD PlanRow plan_even_row(int b, int blocks, int k, int j) {
+  PlanRow r = plan_idle(b);
+  const int i = j / k, piece = j - i * k, per = plan_even_per(blocks, k);
+  if (i >= b) return r;
+  r.begin_req = r.end_req = i;
+  r.begin_block = piece * per;
+  r.end_block = piece + 1 < k ? (piece + 1) * per : blocks;
+  r.begin_split = piece;
+  r.first_split = r.last_split = k > 1;
+  return r;
+}
+
 // The line of a call with uniform requests: b requests of `blocks` blocks, u = blocks + f units
 // each, total = b u units, W = w0. `ok` false where the closed-form plan does not apply (no
 // requests or parts, a line of 2^31 units or more: the general planner makes those).
@@ -249,10 +292,10 @@ MLA_HD PlanUniformLine plan_uniform_line(const DecodePlanParams& p) {
 }
 
 // Whether the plan of a call with uniform requests (plan_uniform_requests) keeps every request whole,
-// which its shape alone decides: some width in [W, W + f] passes plan_uniform_unfit at every part.
-// Then no request is split and the combine has nothing to merge. False where the closed-form plan
-// does not apply. Host code: at most (f + 1) x num_sm_parts tests, stopping at the first width that
-// fits and at a width's first unfit part.
+// which its shape alone decides: some width in [W, W + f] passes plan_uniform_unfit at every part,
+// and the even split is not taken. Then no request is split and the combine has nothing to merge.
+// False where the closed-form plan does not apply. Host code: at most (f + 1) x num_sm_parts tests,
+// stopping at the first width that fits and at a width's first unfit part.
 inline bool plan_uniform_whole(const DecodePlanParams& p) {
   if (!plan_uniform_requests(p)) return false;
   const PlanUniformLine l = plan_uniform_line(p);
@@ -262,21 +305,9 @@ inline bool plan_uniform_whole(const DecodePlanParams& p) {
     bool fits = true;
     for (int part = 0; part < p.num_sm_parts && fits; ++part)
       fits = !plan_uniform_unfit(by_u, l.u, l.total, l.w0, l.f, p.b, c, part);
-    if (fits) return true;
+    if (fits) return plan_even_pieces(p.b, l.blocks, l.f, p.num_sm_parts, l.w0 + c, true) == 0;
   }
   return false;
-}
-
-// A part with no piece (its units hold no block): begin_req = b. Every row starts as this one.
-MLA_HD PlanRow plan_idle(int b) {
-  PlanRow r;
-  r.begin_req = b, r.end_req = b - 1;
-  r.begin_block = r.end_block = r.begin_split = r.first_split = r.last_split = 0;
-  r.batch = b;
-  return r;
-}
-MLA_HD void plan_idle_row(const DecodePlanParams& p, int part) {
-  reinterpret_cast<PlanRow*>(p.tile_scheduler_metadata)[part] = plan_idle(p.b);
 }
 
 // Request i, starting at unit `start` of the line, with `blocks` = request_blocks(p, i): writes the

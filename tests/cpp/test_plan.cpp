@@ -166,6 +166,68 @@ TEST(Plan, UniformWholeFromTheShapeAloneMatchesThePlan) {
   EXPECT_FALSE(plan_uniform_whole(with_lengths)) << "no requests";
 }
 
+// The most any part runs: its blocks plus f per piece, continuing pieces included.
+long long longest_part(const HostPlan& h) {
+  const DecodePlanParams& p = h.params;
+  const auto* rows = reinterpret_cast<const PlanRow*>(h.rows.data());
+  long long most = 0;
+  for (int part = 0; part < p.num_sm_parts; ++part) {
+    const PlanRow& r = rows[part];
+    if (r.begin_req >= p.b) continue;
+    long long cost = 0;
+    for (int k = 0; k <= r.end_req - r.begin_req; ++k) {
+      const PlanPiece pc = plan_piece(r, h.num_splits.data(), k, request_blocks(p, r.begin_req + k));
+      cost += pc.block_end - pc.block_begin + plan_fixed(p);
+    }
+    most = std::max(most, cost);
+  }
+  return most;
+}
+
+TEST(Plan, EvenSplitOfUniformRequests) {
+  // 64 requests of 32 blocks over 132 parts (V3.2 at 32 heads, f = 2): the line's width 17 would
+  // give parts of 15 and 17 blocks; the even split gives 128 parts one half of a request each.
+  DecodePlanParams p;
+  p.b = 64, p.num_sm_parts = 132, p.topk = 2048, p.fixed_cost = kPlanFewRowsFixedBlocks;
+  HostPlan h = make_plan(p);
+  for (int part = 0; part < 132; ++part) {
+    const std::vector<int32_t> row(h.rows.begin() + part * 8, h.rows.begin() + part * 8 + 7);
+    if (part < 128)
+      EXPECT_EQ(row, (std::vector<int32_t>{part / 2, part / 2, part % 2 * 16, part % 2 * 16 + 16, part % 2, 1, 1}))
+          << "part " << part;
+    else
+      EXPECT_EQ(row[0], 64) << "part " << part << " is idle";
+  }
+  for (int i = 0; i <= 64; ++i) EXPECT_EQ(h.num_splits[i], 2 * i);
+  expect_covers_exactly(h);
+  EXPECT_EQ(longest_part(h), 18);
+
+  // Over many uniform shapes: the plan never runs a part longer than the line's plan of the same
+  // lengths (given as topk_length, which the even split does not take), and shorter wherever the
+  // even split is taken.
+  int taken = 0;
+  for (int parts : {7, 33, 66, 132})
+    for (int topk : {64, 200, 1024, 2048, 8192})
+      for (int f : {kPlanFewRowsFixedBlocks, kPlanFixedOverheadBlocks})
+        for (int b = 1; b <= parts; ++b) {
+          DecodePlanParams u;
+          u.b = b, u.num_sm_parts = parts, u.topk = topk, u.fixed_cost = f;
+          const HostPlan even = make_plan(u);
+          const std::vector<int32_t> lens(b, topk);
+          DecodePlanParams l = u;
+          l.topk_length = lens.data();
+          const HostPlan line = make_plan(l);
+          expect_covers_exactly(even);
+          const bool split_evenly = even.rows != line.rows;
+          taken += split_evenly;
+          if (split_evenly)
+            EXPECT_LT(longest_part(even), longest_part(line)) << "b " << b << " parts " << parts << " topk " << topk;
+          else
+            EXPECT_EQ(even.num_splits, line.num_splits);
+        }
+  EXPECT_GT(taken, 50);
+}
+
 TEST(Plan, EachPartAloneMakesTheSameRow) {
   // An attention kernel that plans for itself makes num_splits and its own part's row only: on
   // random dense and sparse batches that row and num_splits equal the whole plan's.

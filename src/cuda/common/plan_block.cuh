@@ -12,7 +12,8 @@
 // ones (any line); the scans are warp shuffles and two barriers. A call whose requests all have the
 // same blocks (sparse, without per-request lengths: the usual V3.2 call) takes plan_uniform(), the
 // same plan in closed form: checks per (width, part) instead of a pass over the requests, one
-// barrier, and the piece-count scan only where the width cuts requests. H100, whole V3.2 calls
+// barrier, and the piece-count scan only where the width cuts requests; or the even split of
+// plan_even_pieces (both planners, and the host's, take it alike). H100, whole V3.2 calls
 // (forty-third session): 2.6 us faster at b=128 h_q=16, 2.2 at b=64 h_q=32, 3.5 at b=128 h_q=128.
 #pragma once
 
@@ -106,6 +107,11 @@ struct BlockPlanner {
     for (int k = 0; k < kWarps; ++k) unfit |= unsigned(sc.warp_total[k]);
     const unsigned w = unsigned(plan_choose_width(w0, unfit, f));
     const bool whole = !(unfit >> (w - w0) & 1u);  // no request cut (the width fits)
+    const int k = plan_even_pieces(b, blocks, f, parts, w, whole);
+    if (k > 0) {
+      write_even_split(p, only_part, blocks, k);
+      return true;
+    }
     const PlanInvariantDiv by_w(w);
 
     // Rows: part j runs requests floor(j w / u) (the one holding its first unit) to the last whose
@@ -144,6 +150,19 @@ struct BlockPlanner {
       pieces_base += round_pieces;
     }
     return true;
+  }
+
+  // The even split (plan_even_pieces: part j runs piece j % k of request j / k): row only_part, or
+  // every row, and num_splits.
+  __device__ static void write_even_split(const DecodePlanParams& p, int only_part, int blocks, int k) {
+    const int tid = threadIdx.x;
+    const int j_first = only_part >= 0 ? (tid == 0 ? only_part : p.num_sm_parts) : tid;
+    const int j_end = only_part >= 0 ? only_part + 1 : p.num_sm_parts;
+#pragma unroll 1
+    for (int j = j_first; j < j_end; j += kThreads)
+      reinterpret_cast<PlanRow*>(p.tile_scheduler_metadata)[j] = plan_even_row(p.b, blocks, k, j);
+#pragma unroll 1
+    for (int i = tid; i <= p.b; i += kThreads) p.num_splits[i] = i * k;
   }
 
   // The sum of v over the CTA, in every thread.
@@ -253,6 +272,14 @@ struct BlockPlanner {
     __syncthreads();
     MLA_PLAN_STAMP(4);
     const long long w = plan_choose_width(w0, sc.unfit, f);
+    if (plan_uniform_requests(p)) {  // a line past plan_uniform's reach: it may take the even split too
+      const int blocks = request_blocks(p, 0);
+      const int k = plan_even_pieces(p.b, blocks, f, parts, w, !(sc.unfit >> (w - (long long)w0) & 1u));
+      if (k > 0) {
+        write_even_split(p, only_part, blocks, k);
+        return true;
+      }
+    }
     const Div by_w(static_cast<Pos>(w));
 
     // Each request's rows and piece count, and num_splits.
