@@ -84,6 +84,13 @@
 // every request whole (combine_sparse) and the combine releasing the next call as it starts: V3.2
 // b=128 h_q=16 82.6-84.2 -> 80.5-81.3 us (FlashMLA padded 151.9-153.4: 1.88-1.89x), b=64 h_q=32
 // 61.2-62.0 -> 60.1-61.4 (1.80-1.82x).
+// H100 (forty-seventh session, whole calls, two rounds): the even split of uniform requests
+// (plan_even_pieces; b=64 h_q=32: 128 halves of 16 blocks, not parts of 15 and 17) 59.8-60.5 ->
+// 57.4-58.9 us (FlashMLA padded 109.1-110.3: 1.87-1.90x); 54.9 -> 52.2 with the plan reused.
+// Measured slower: the even split's two halves merged in a cluster of two through distributed
+// shared memory instead of the combine, written for up to eight pieces with its loops unrolled
+// (about 10 000 instructions run once per CTA): 56.5 -> 79.3 us; launching in clusters alone
+// costs nothing (55.9).
 #include <cuda_runtime.h>
 
 #include <cstdint>
