@@ -166,21 +166,25 @@ TEST(Plan, UniformWholeFromTheShapeAloneMatchesThePlan) {
   EXPECT_FALSE(plan_uniform_whole(with_lengths)) << "no requests";
 }
 
-// The most any part runs: its blocks plus f per piece, continuing pieces included.
-long long longest_part(const HostPlan& h) {
+// What a part runs: its blocks (an empty request charged one) plus f per piece, continuing pieces
+// included; 0 for an idle part.
+long long part_cost(const HostPlan& h, int part) {
   const DecodePlanParams& p = h.params;
-  const auto* rows = reinterpret_cast<const PlanRow*>(h.rows.data());
-  long long most = 0;
-  for (int part = 0; part < p.num_sm_parts; ++part) {
-    const PlanRow& r = rows[part];
-    if (r.begin_req >= p.b) continue;
-    long long cost = 0;
-    for (int k = 0; k <= r.end_req - r.begin_req; ++k) {
-      const PlanPiece pc = plan_piece(r, h.num_splits.data(), k, request_blocks(p, r.begin_req + k));
-      cost += pc.block_end - pc.block_begin + plan_fixed(p);
-    }
-    most = std::max(most, cost);
+  const PlanRow& r = reinterpret_cast<const PlanRow*>(h.rows.data())[part];
+  if (r.begin_req >= p.b) return 0;
+  long long cost = 0;
+  for (int k = 0; k <= r.end_req - r.begin_req; ++k) {
+    const PlanPiece pc = plan_piece(r, h.num_splits.data(), k, request_blocks(p, r.begin_req + k));
+    const int run = pc.block_end - pc.block_begin;
+    cost += std::max(run, request_blocks(p, pc.req) == 0 ? 1 : 0) + plan_fixed(p);
   }
+  return cost;
+}
+
+// The most any part runs.
+long long longest_part(const HostPlan& h) {
+  long long most = 0;
+  for (int part = 0; part < h.params.num_sm_parts; ++part) most = std::max(most, part_cost(h, part));
   return most;
 }
 
@@ -340,22 +344,11 @@ void expect_covers_exactly(const HostPlan& h) {
 // request's one, plus the fixed cost of each piece), the bound of FlashMLA's greedy fill.
 void expect_balanced(const HostPlan& h) {
   const DecodePlanParams& p = h.params;
-  const auto* rows = reinterpret_cast<const PlanRow*>(h.rows.data());
   const int f = plan_fixed(p);
   long long total = 0;
   for (int b = 0; b < p.b; ++b) total += plan_units(request_blocks(p, b), f);
   const long long bound = (total + p.num_sm_parts - 1) / p.num_sm_parts + f;
-  for (int part = 0; part < p.num_sm_parts; ++part) {
-    const PlanRow& r = rows[part];
-    if (r.begin_req >= p.b) continue;
-    long long cost = 0;
-    for (int k = 0; k <= r.end_req - r.begin_req; ++k) {
-      const PlanPiece pc = plan_piece(r, h.num_splits.data(), k, request_blocks(p, r.begin_req + k));
-      const int run = pc.block_end - pc.block_begin;  // an empty request is charged one block
-      cost += std::max(run, request_blocks(p, pc.req) == 0 ? 1 : 0) + f;
-    }
-    EXPECT_LE(cost, bound) << "part " << part;
-  }
+  for (int part = 0; part < p.num_sm_parts; ++part) EXPECT_LE(part_cost(h, part), bound) << "part " << part;
 }
 
 // The plan of a dense batch with these lengths over num_sm_parts parts, at this fixed cost per
