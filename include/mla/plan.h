@@ -255,6 +255,12 @@ MLA_HD int plan_even_pieces(int b, int blocks, int f, int parts, long long w, bo
   const long long line = whole ? w : w + f;
   return per + f < line ? ceil_div(blocks, per) : 0;  // k0 pieces of per may leave the last empty
 }
+// The even split's k for a call whose line took width w = plan_choose_width(w0, unfit, f) (the same
+// test in every planner): 0 where its requests differ or the line's plan is kept.
+MLA_HD int plan_even_for(const DecodePlanParams& p, int f, long long w0, unsigned unfit, long long w) {
+  if (!plan_uniform_requests(p)) return 0;
+  return plan_even_pieces(p.b, request_blocks(p, 0), f, p.num_sm_parts, w, !(unfit >> (w - w0) & 1u));
+}
 MLA_HD int plan_even_per(int blocks, int k) { return ceil_div(blocks, k); }
 // Row j of an even split of k pieces per request (plan_even_pieces).
 MLA_HD PlanRow plan_even_row(int b, int blocks, int k, int j) {

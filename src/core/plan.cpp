@@ -47,9 +47,7 @@ void plan_decode_host_part(const DecodePlanParams& p, int only_part) {
       if (cost[size_t(c) * p.num_sm_parts + part] > w0 + f) unfit |= 1u << c;
   const long long w = plan_choose_width(w0, unfit, f);
   // Uniform requests may take the even split instead.
-  const int k =
-      plan_uniform_requests(p) ? plan_even_pieces(p.b, blocks[0], f, p.num_sm_parts, w, !(unfit >> (w - w0) & 1u)) : 0;
-  if (k > 0) {
+  if (const int k = plan_even_for(p, f, w0, unfit, w); k > 0) {
     auto* rows = reinterpret_cast<PlanRow*>(p.tile_scheduler_metadata);
     for (int part = 0; part < p.num_sm_parts; ++part)
       if (only_part < 0 || part == only_part) rows[part] = plan_even_row(p.b, blocks[0], k, part);

@@ -107,8 +107,7 @@ struct BlockPlanner {
     for (int k = 0; k < kWarps; ++k) unfit |= unsigned(sc.warp_total[k]);
     const unsigned w = unsigned(plan_choose_width(w0, unfit, f));
     const bool whole = !(unfit >> (w - w0) & 1u);  // no request cut (the width fits)
-    const int k = plan_even_pieces(b, blocks, f, parts, w, whole);
-    if (k > 0) {
+    if (const int k = plan_even_for(p, f, w0, unfit, w); k > 0) {
       write_even_split(p, only_part, blocks, k);
       return true;
     }
@@ -272,13 +271,10 @@ struct BlockPlanner {
     __syncthreads();
     MLA_PLAN_STAMP(4);
     const long long w = plan_choose_width(w0, sc.unfit, f);
-    if (plan_uniform_requests(p)) {  // a line past plan_uniform's reach: it may take the even split too
-      const int blocks = request_blocks(p, 0);
-      const int k = plan_even_pieces(p.b, blocks, f, parts, w, !(sc.unfit >> (w - (long long)w0) & 1u));
-      if (k > 0) {
-        write_even_split(p, only_part, blocks, k);
-        return true;
-      }
+    // A uniform line past plan_uniform's reach may take the even split too.
+    if (const int k = plan_even_for(p, f, w0, sc.unfit, w); k > 0) {
+      write_even_split(p, only_part, request_blocks(p, 0), k);
+      return true;
     }
     const Div by_w(static_cast<Pos>(w));
 
