@@ -297,24 +297,37 @@ MLA_HD PlanUniformLine plan_uniform_line(const DecodePlanParams& p) {
   return l;
 }
 
-// Whether the plan of a call with uniform requests (plan_uniform_requests) keeps every request whole,
-// which its shape alone decides: some width in [W, W + f] passes plan_uniform_unfit at every part,
-// and the even split is not taken. Then no request is split and the combine has nothing to merge.
-// False where the closed-form plan does not apply. Host code: at most (f + 1) x num_sm_parts tests,
-// stopping at the first width that fits and at a width's first unfit part.
-inline bool plan_uniform_whole(const DecodePlanParams& p) {
-  if (!plan_uniform_requests(p)) return false;
+// What the plan of a call with uniform requests (plan_uniform_requests) does, which its shape alone
+// decides: `whole`, some width in [W, W + f] passes plan_uniform_unfit at every part and the even
+// split is not taken, so no request is split and the combine has nothing to merge; `even_k` > 0, the
+// even split of that many pieces per request is taken (plan_even_for). `ok` false where the
+// closed-form plan does not apply. Host code: at most (f + 1) x num_sm_parts tests, stopping at the
+// first width that fits and at a width's first unfit part.
+struct PlanUniformChoice {
+  bool ok = false, whole = false;
+  int even_k = 0;
+};
+inline PlanUniformChoice plan_uniform_choice(const DecodePlanParams& p) {
+  PlanUniformChoice r;
+  if (!plan_uniform_requests(p)) return r;
   const PlanUniformLine l = plan_uniform_line(p);
-  if (!l.ok) return false;
+  if (!l.ok) return r;
+  r.ok = true;
   const PlanInvariantDiv by_u(l.u);
   for (int c = 0; c <= l.f; ++c) {
     bool fits = true;
     for (int part = 0; part < p.num_sm_parts && fits; ++part)
       fits = !plan_uniform_unfit(by_u, l.u, l.total, l.w0, l.f, p.b, c, part);
-    if (fits) return plan_even_pieces(p.b, l.blocks, l.f, p.num_sm_parts, l.w0 + c, true) == 0;
+    if (fits) {
+      r.even_k = plan_even_pieces(p.b, l.blocks, l.f, p.num_sm_parts, l.w0 + c, true);
+      r.whole = r.even_k == 0;
+      return r;
+    }
   }
-  return false;
+  r.even_k = plan_even_pieces(p.b, l.blocks, l.f, p.num_sm_parts, l.w0, false);
+  return r;
 }
+inline bool plan_uniform_whole(const DecodePlanParams& p) { return plan_uniform_choice(p).whole; }
 
 // Request i, starting at unit `start` of the line, with `blocks` = request_blocks(p, i): writes the
 // fields of the rows it begins or ends (every other field of those rows is written by the request

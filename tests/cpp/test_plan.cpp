@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "mla/plan.h"
@@ -127,39 +128,59 @@ TEST(Plan, DenseFewRowsKeepUniformRequestsWhole) {
   expect_covers_exactly(h);
 }
 
-TEST(Plan, UniformWholeFromTheShapeAloneMatchesThePlan) {
-  // plan_uniform_whole (which lets a Hopper sparse call that planned for itself skip the combine)
-  // says "whole" exactly where the plan cuts no request, over batches, topk (main and extra),
-  // part counts and both fixed costs; and never for a call with per-request lengths.
-  int whole = 0, split = 0;
+TEST(Plan, UniformChoiceFromTheShapeAloneMatchesThePlan) {
+  // plan_uniform_choice (which lets a Hopper sparse call that planned for itself skip the combine,
+  // or merge an even split's halves in a cluster) says "whole" exactly where the plan cuts no
+  // request, and names the even split's k exactly where the plan makes it (part j running piece
+  // j % k of request j / k, num_splits i k), over batches, topk (main and extra), part counts and
+  // both fixed costs; and does not apply to a call with per-request lengths.
+  int whole = 0, split = 0, even = 0, pairs = 0;
   for (int parts : {1, 7, 33, 66, 78, 132})
-    for (int topk : {1, 64, 200, 2048})
+    for (int topk : {1, 64, 200, 2048, 8192})
       for (int extra : {0, 100})
         for (int f : {kPlanFewRowsFixedBlocks, kPlanFixedOverheadBlocks})
-          for (int b = 1; b <= 2 * parts + 3; b += b < 40 ? 1 : 7) {
+          for (int b = 1; b <= 2 * parts + 3; b += b < 70 ? 1 : 7) {
             DecodePlanParams p;
             p.b = b, p.num_sm_parts = parts, p.topk = topk, p.extra_topk = extra, p.fixed_cost = f;
+            const std::string shape = "b " + std::to_string(b) + " parts " + std::to_string(parts) + " topk " +
+                                      std::to_string(topk) + " extra " + std::to_string(extra) + " f " +
+                                      std::to_string(f);
             const HostPlan h = make_plan(p);
             bool none_cut = true;
             for (int i = 0; i < b; ++i) none_cut = none_cut && h.num_splits[i + 1] - h.num_splits[i] == 1;
-            EXPECT_EQ(plan_uniform_whole(p), none_cut)
-                << "b " << b << " parts " << parts << " topk " << topk << " extra " << extra << " f " << f;
+            const PlanUniformChoice c = plan_uniform_choice(p);
+            ASSERT_TRUE(c.ok) << shape;
+            EXPECT_EQ(c.whole, none_cut) << shape;
+            EXPECT_EQ(plan_uniform_whole(p), none_cut) << shape;
+            std::vector<int32_t> rows(size_t(parts) * kPlanRowInts);
+            for (int j = 0; j < parts; ++j)
+              *reinterpret_cast<PlanRow*>(rows.data() + j * kPlanRowInts) =
+                  plan_even_row(b, request_blocks(p, 0), c.even_k > 0 ? c.even_k : 1, j);
+            EXPECT_EQ(c.even_k > 0, c.even_k > 0 && h.rows == rows) << shape;
+            if (c.even_k > 0)
+              for (int i = 0; i <= b; ++i) EXPECT_EQ(h.num_splits[i], i * c.even_k) << shape;
             ++(none_cut ? whole : split);
+            even += c.even_k > 0;
+            pairs += c.even_k == 2;
           }
   EXPECT_GT(whole, 100);
   EXPECT_GT(split, 100);
+  EXPECT_GT(even, 100);
+  EXPECT_GT(pairs, 20);
   SparseDecodeParams sp;  // the benchmark's V3.2 shapes on 132 SMs
   sp.b = 128, sp.s_q = 1, sp.h_q = 16, sp.topk = 2048;
   sp.split.num_sm_parts = 132;
   EXPECT_TRUE(plan_uniform_whole(sparse_plan_params(sp)));
   sp.b = 64, sp.h_q = 32;
   EXPECT_FALSE(plan_uniform_whole(sparse_plan_params(sp)));
+  EXPECT_EQ(plan_uniform_choice(sparse_plan_params(sp)).even_k, 2) << "halves, in pairs of parts";
   sp.b = 128, sp.h_q = 128, sp.split.num_sm_parts = 66;
   EXPECT_TRUE(plan_uniform_whole(sparse_plan_params(sp)));
   const std::vector<int32_t> lens(128, 2048);
   DecodePlanParams with_lengths = sparse_plan_params(sp);
   with_lengths.topk_length = lens.data();
-  EXPECT_FALSE(plan_uniform_whole(with_lengths)) << "per-request lengths: only the device knows them";
+  EXPECT_FALSE(plan_uniform_choice(with_lengths).ok) << "per-request lengths: only the device knows them";
+  EXPECT_FALSE(plan_uniform_whole(with_lengths));
   with_lengths.topk_length = nullptr, with_lengths.extra_topk = 64, with_lengths.extra_topk_length = lens.data();
   EXPECT_FALSE(plan_uniform_whole(with_lengths));
   with_lengths.extra_topk_length = nullptr, with_lengths.b = 0;
