@@ -110,6 +110,11 @@ bool programmatic_launch() {
   return !(env && std::string(env) == "0");
 }
 
+bool cluster_merge() {
+  const char* env = std::getenv("MLA_KERNELS_CLUSTER_MERGE");
+  return !(env && std::string(env) == "0");
+}
+
 namespace {
 
 std::string forced_implementation() {

@@ -17,6 +17,11 @@ int device_sm_count();
 // ends, for debugging and for measuring what the overlap is worth).
 bool programmatic_launch();
 
+// Whether the Hopper small-heads sparse kernel may merge an even split's two pieces in a cluster
+// instead of launching the combine (unless MLA_KERNELS_CLUSTER_MERGE=0, read at each call: for
+// measuring what the merge is worth).
+bool cluster_merge();
+
 // The combine of a decode call's split pieces (sink: the sparse call's attention sink, or null),
 // which every decode implementation launches after its attention kernel (the Hopper sparse ones
 // not where their own plan keeps every request whole: combine_sparse).

@@ -143,3 +143,63 @@ def test_whole_uniform_calls_skip_the_combine(fmt, h_q, monkeypatch):
         assert len([n for n in names if "combine" in n]) == 1, names
         assert torch.equal(fresh[0], again[0]) and torch.equal(fresh[1], again[1])
         assert torch.equal(fresh[0].cpu(), out) and torch.equal(fresh[1].cpu(), lse)
+
+
+# (fmt, h_q, s_q, topk, extra (s_k, topk, page, extra_topk_length), sink)
+EVEN_PAIRS = {
+    "v32_h16_topk2048": ("v32", 16, 1, 2048, None, "finite"),
+    "v32_h16": ("v32", 16, 1, 320, None, "mixed"),
+    "model1_h12_extra": ("model1", 12, 1, 320, (100, 64, 64, False), "mixed"),
+    "v32_h5_sq2_extra_pg16": ("v32", 5, 2, 320, (100, 64, 16, False), "none"),
+    "model1_h16_sq2_extra": ("model1", 16, 2, 128, (64, 64, 16, False), "neginf"),
+    "v32_h32": ("v32", 32, 1, 320, None, "finite"),
+}
+
+
+@pytest.mark.parametrize("case", list(EVEN_PAIRS), ids=list(EVEN_PAIRS))
+def test_even_split_merges_in_its_cluster(case, monkeypatch):
+    """A uniform call (no per-request lengths) of half as many requests as parts, planning for
+    itself, gets the even split of two pieces a request. At most 16 heads the small-heads kernel
+    merges each request's two pieces in a cluster of two: the attention kernel alone, no combine,
+    right against the reference, with heads past h_q and the sink's infinite cases; at 32 heads the
+    combine merges them. The same plan reused (which the host cannot see into, so the combine merges
+    the partials from the workspace) and the call with MLA_KERNELS_CLUSTER_MERGE=0 give the same
+    bits."""
+    fmt, h_q, s_q, topk, extra, sink_mode = EVEN_PAIRS[case]
+    monkeypatch.delenv("MLA_KERNELS_IMPL", raising=False)
+    monkeypatch.delenv("MLA_KERNELS_CLUSTER_MERGE", raising=False)
+    parts = torch.cuda.get_device_properties(0).multi_processor_count // s_q
+    if parts % 2:
+        pytest.skip(f"{parts} parts: no clusters of two over them")
+    b = parts // 2
+    merged = h_q <= 16
+    main, ex = build(fmt, b, s_q, max(600, topk + 100), topk, 64, extra=extra, device="cuda")
+    q = R.rand((b, s_q, h_q, R.FORMATS[fmt].d))
+    sink = R.make_sink(h_q, sink_mode)
+    names, (out, lse) = kernels_launched(lambda: check_sparse(q, main, ex, sink, 1.0, device="cuda"))
+    assert len([n for n in names if "sparse_decode" in n]) == 1, names
+    assert len([n for n in names if "combine" in n]) == (0 if merged else 1), names
+
+    args = dict(softmax_scale=1.0, is_fp8_kvcache=True, indices=main.indices.cuda(),
+                attn_sink=None if sink is None else sink.cuda(),
+                extra_k_cache=None if ex is None else ex.kv8.cuda(),
+                extra_indices_in_kvcache=None if ex is None else ex.indices.cuda())
+    kv8, qd = main.kv8.cuda(), q.cuda()
+
+    def call(meta):
+        return kernels_launched(lambda: flash_mla.flash_mla_with_kvcache(qd, kv8, None, None, 512, meta, **args))
+
+    meta, _ = flash_mla.get_mla_metadata()
+    names, fresh = call(meta)
+    assert len([n for n in names if "combine" in n]) == (0 if merged else 1), names
+    assert torch.equal(meta.num_splits.cpu(), 2 * torch.arange(b + 1, dtype=torch.int32)), meta.num_splits
+    assert torch.equal(fresh[0].cpu(), out) and torch.equal(fresh[1].cpu(), lse)
+    names, reused = call(meta)
+    assert len([n for n in names if "combine" in n]) == 1, names
+    monkeypatch.setenv("MLA_KERNELS_CLUSTER_MERGE", "0")
+    unmerged_meta, _ = flash_mla.get_mla_metadata()
+    names, unmerged = call(unmerged_meta)
+    assert len([n for n in names if "combine" in n]) == 1, names
+    for other in (reused, unmerged):
+        assert torch.equal(fresh[0], other[0]), (fresh[0].float() - other[0].float()).abs().max()
+        assert torch.equal(fresh[1], other[1]), (fresh[1] - other[1]).abs().max()

@@ -5,6 +5,7 @@
 
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdint>
 
 #include "../common/decode_io.cuh"
@@ -168,21 +169,21 @@ __device__ __forceinline__ void stage_q(const DenseDecodeParams& p, int req, int
 
 // Launches kernel<<<grid, threads, smem, stream>>>(args) as a programmatic dependent of the work
 // before it on the stream (the kernel waits with griddepcontrol.wait before reading its inputs;
-// unless programmatic_launch() is off), in clusters of cluster_x CTAs along x when cluster_x > 1.
+// unless programmatic_launch() is off), in clusters of `cluster` CTAs where that is more than one.
 template <typename Args>
 cudaError_t launch_dependent(void (*kernel)(Args), dim3 grid, int threads, int smem, cudaStream_t stream,
-                             const Args& args, int cluster_x = 1) {
+                             const Args& args, dim3 cluster = dim3(1, 1, 1)) {
   cudaLaunchAttribute attr[2];
   unsigned n = 0;
   if (programmatic_launch()) {
     attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attr[n++].val.programmaticStreamSerializationAllowed = 1;
   }
-  if (cluster_x > 1) {
+  if (cluster.x * cluster.y * cluster.z > 1) {
     attr[n].id = cudaLaunchAttributeClusterDimension;
-    attr[n].val.clusterDim.x = unsigned(cluster_x);
-    attr[n].val.clusterDim.y = 1;
-    attr[n++].val.clusterDim.z = 1;
+    attr[n].val.clusterDim.x = cluster.x;
+    attr[n].val.clusterDim.y = cluster.y;
+    attr[n++].val.clusterDim.z = cluster.z;
   }
   cudaLaunchConfig_t config = {};
   config.gridDim = grid;
@@ -192,6 +193,33 @@ cudaError_t launch_dependent(void (*kernel)(Args), dim3 grid, int threads, int s
   config.attrs = attr;
   config.numAttrs = n;
   return cudaLaunchKernelEx(&config, kernel, args);
+}
+
+// How many clusters of `cluster` CTAs of Kernel (threads, dynamic shared memory smem) the current
+// device holds at once, asked once per device (64 devices at most); 0 where it cannot say.
+template <auto Kernel>
+int clusters_resident(int threads, int smem, dim3 cluster) {
+  static std::atomic<int> known[64];  // the count + 1, 0 until asked
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) return 0;
+  std::atomic<int>& slot = known[dev & 63];
+  if (const int v = slot.load(std::memory_order_acquire)) return v - 1;
+  cudaLaunchAttribute attr;
+  attr.id = cudaLaunchAttributeClusterDimension;
+  attr.val.clusterDim.x = cluster.x, attr.val.clusterDim.y = cluster.y, attr.val.clusterDim.z = cluster.z;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = cluster;
+  config.blockDim = dim3(unsigned(threads));
+  config.dynamicSmemBytes = size_t(smem);
+  config.attrs = &attr;
+  config.numAttrs = 1;
+  int count = 0;
+  if (cudaOccupancyMaxActiveClusters(&count, Kernel, &config) != cudaSuccess) {
+    (void)cudaGetLastError();  // not sticky: the call goes on without clusters
+    count = 0;
+  }
+  slot.store(count + 1, std::memory_order_release);
+  return count;
 }
 
 }  // namespace mla::cuda::sm90

@@ -161,6 +161,13 @@ __device__ __forceinline__ void st_async_4(uint32_t dst, uint32_t v, uint32_t ba
                : "memory");
 }
 
+// The same for 16 bytes (dst 16-byte aligned).
+__device__ __forceinline__ void st_async_16(uint32_t dst, float4 v, uint32_t bar) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1, %2, %3, %4}, [%5];\n" ::"r"(dst),
+               "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w), "r"(bar)
+               : "memory");
+}
+
 // `bytes` (a multiple of 16, both addresses 16-byte aligned) of this CTA's shared memory copied by
 // the bulk-copy engine into another CTA's (`dst`, `bar` from peer_addr), completing on its mbarrier
 // `bar` like st.async. The source must have been written before a fence_proxy_async by every writer.

@@ -418,7 +418,7 @@ cudaError_t launch(const SparseDecodeParams& p, cudaStream_t stream) {
       raise_smem_limit_once<sparse_decode_kernel<F, kPeers>>(smem, "the sm90 sparse decode kernel");
   if (err != cudaSuccess) return err;
   const dim3 grid(unsigned(ceil_div(p.h_q, kBlockM)), unsigned(p.s_q), unsigned(p.split.num_sm_parts));
-  return launch_dependent(sparse_decode_kernel<F, kPeers>, grid, kThreads, smem, stream, p, kPeers);
+  return launch_dependent(sparse_decode_kernel<F, kPeers>, grid, kThreads, smem, stream, p, dim3(kPeers, 1, 1));
 }
 
 // 65 to 128 heads: the two 64-head CTAs of a token form a cluster and share the dequantisation.

@@ -21,7 +21,9 @@
 //     S^T alone reads); O^T (512 x N) += V^T P^T with V read transposed from the buffer, left in
 //     flight while the next block's S^T is issued behind it (the buffer goes back once it lands);
 //   * epilogue: O^T / (l + exp2(sink - m)) to out / lse for whole pieces, fp32 partials for split
-//     ones (the combine kernel applies the sink);
+//     ones (the combine kernel applies the sink); at N = 16, a call planning for itself into the
+//     even split of two pieces a request runs in clusters of two, whose CTAs merge the two partials
+//     through distributed shared memory (merge_pair) with no combine after;
 //   * with a fresh plan every CTA first plans its own part (plan_block.cuh; no planner kernel).
 // Tile sizes: 64-token blocks, N = 16 or 32 heads, two bf16 key buffers (144 KB at d_qk 576) + Q;
 // shared memory kept small, since what it leaves of 256 KB is the L1 the producers' loads land in.
@@ -91,6 +93,12 @@
 // shared memory instead of the combine, written for up to eight pieces with its loops unrolled
 // (about 10 000 instructions run once per CTA): 56.5 -> 79.3 us; launching in clusters alone
 // costs nothing (55.9).
+// H100 (forty-eighth session, whole calls, V3.2 topk 2048): the merge again, compact (two pieces,
+// half the dims finished in each CTA; the kernel's code within 0.7% of the unmerged one's): b=66
+// h_q=16 52.9 -> 51.4 us (the combine took 6.5), b=64 h_q=32 56.9 -> 58.0 (attention kernel 53.4 ->
+// 56.9, combine 3.9), so it runs at N = 16 only; releasing the next call's kernel early as well
+// made no difference (51.7 -> 50.3, 56.8 -> 57.4). With the plan reused the b=64 h_q=32 attention
+// kernel takes 50.0 us against 53.2 planning for itself.
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -156,10 +164,109 @@ struct Smem {
   float warp_sum[4][N];
   uint8_t valid[2][kBlockN];
   uint64_t full[2], empty[2];
+  uint64_t merge_free, merge_sent;  // merge_pair: the peer's buffers free, its partial here
   __device__ uint8_t* p(int buf) { return kPInRope ? k[buf][kTiles - 1] : p_own; }
 };
 
-template <KvFormat F, int N>
+// What merge_pair sends each thread of the peer, in 16-byte words: four of the eight dim tiles of
+// its partial (N / 2 values a tile), then its columns' lse.
+template <int N>
+constexpr int kMergeWords = kVTiles / 2 * (N / 2) / 4 + N / 8 / 2;
+
+#if defined(MLA_SM90A_DEVICE)
+// The even split's two pieces of a request (plan_uniform_choice: part j runs piece j % 2 of request
+// j / 2), run by the two CTAs of a cluster (rank = piece), merged through distributed shared memory
+// instead of by the combine kernel. Rank r finishes dim tiles [4 r, 4 r + 4) of the output: it sends
+// the peer the other four tiles of its partial (O^T / l, the values the workspace would hold) and
+// its columns' lse, by st.async into the peer's `inbox` (its first key buffer, free once the peer's
+// last O^T has landed: merge_free), then merges what it receives with the combine kernel's
+// arithmetic on the same values, in the same order: out and lse are bitwise the combine's.
+// Every consumer thread calls it once its last O^T has landed and the column sums are published.
+template <int N>
+__device__ __forceinline__ void merge_pair(const SparseDecodeParams& p, uint8_t* inbox, uint64_t* merge_free,
+                                           uint64_t* merge_sent, const float (&o)[kVTiles][N / 2],
+                                           const float (&m_run)[N / 8][2], const float (*warp_sum)[N], int req, int s,
+                                           int wtid) {
+  constexpr int kNT = N / 8, kHalf = kVTiles / 2, kTileWords = N / 8;
+  const int warp = wtid / 32, g = (wtid % 32) / 4, t4 = wtid % 4, key_lo = warp * 16 + g;
+  const int rank = cluster_rank();
+  float inv[kNT][2], lse[kNT][2];
+#pragma unroll
+  for (int n = 0; n < kNT; ++n)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int h = 8 * n + 2 * t4 + e;
+      const float l = warp_sum[0][h] + warp_sum[1][h] + warp_sum[2][h] + warp_sum[3][h];
+      inv[n][e] = l > 0.f ? 1.f / l : 0.f;
+      lse[n][e] = l > 0.f ? log2f(l) + m_run[n][e] : -INFINITY;
+    }
+  // Element j of a tile is column (j / 4, j % 2); rank 0 sends tiles 4..7, rank 1 tiles 0..3.
+  auto sent = [&](int q, int j) { return (rank == 0 ? o[kHalf + q][j] : o[q][j]) * inv[j / 4][j % 2]; };
+  auto kept = [&](int q, int j) { return (rank == 0 ? o[q][j] : o[kHalf + q][j]) * inv[j / 4][j % 2]; };
+
+  mbar_arrive_remote(peer_addr(merge_free, rank ^ 1));  // this CTA's buffers are read no more
+  mbar_wait(merge_free, 0);                             // nor the peer's
+  const uint32_t to = peer_addr(inbox, rank ^ 1) + wtid * 16, bar = peer_addr(merge_sent, rank ^ 1);
+#pragma unroll
+  for (int q = 0; q < kHalf; ++q)
+#pragma unroll
+    for (int w = 0; w < kTileWords; ++w)
+      st_async_16(to + (q * kTileWords + w) * 128 * 16,
+                  make_float4(sent(q, 4 * w), sent(q, 4 * w + 1), sent(q, 4 * w + 2), sent(q, 4 * w + 3)), bar);
+#pragma unroll
+  for (int n = 0; n < kNT; n += 2)
+    st_async_16(to + (kHalf * kTileWords + n / 2) * 128 * 16, make_float4(lse[n][0], lse[n][1], lse[n + 1][0], lse[n + 1][1]),
+                bar);
+  mbar_wait(merge_sent, 0);
+
+  const float4* in = reinterpret_cast<const float4*>(inbox) + wtid;
+  float w0[kNT][2], w1[kNT][2];
+#pragma unroll
+  for (int n = 0; n < kNT; n += 2) {
+    const float4 peer = in[(kHalf * kTileWords + n / 2) * 128];
+    const float other[2][2] = {{peer.x, peer.y}, {peer.z, peer.w}};
+#pragma unroll
+    for (int d = 0; d < 2; ++d)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int h = 8 * (n + d) + 2 * t4 + e;
+        const float l0 = rank == 0 ? lse[n + d][e] : other[d][e], l1 = rank == 0 ? other[d][e] : lse[n + d][e];
+        float m = fmaxf(l0, l1);
+        if (m == -INFINITY) m = 0.f;
+        const float sum = exp2f(l0 - m) + exp2f(l1 - m);
+        float gl = sum == 0.f ? INFINITY : log2f(sum) + m;
+        if (rank == 0 && warp == 0 && g == 0 && h < p.h_q)
+          p.o.lse[req * p.o.lse_stride_b + s * p.o.lse_stride_s + h * p.o.lse_stride_h] = gl * kLn2;
+        const float sink2 = p.attn_sink ? p.attn_sink[h < p.h_q ? h : 0] * kLog2e : -INFINITY;
+        gl = gl != INFINITY ? gl + log2f(1.f + exp2f(sink2 - gl)) : (sink2 == -INFINITY ? INFINITY : sink2);
+        w0[n + d][e] = exp2f(l0 - gl);
+        w1[n + d][e] = exp2f(l1 - gl);
+      }
+  }
+  auto* out = static_cast<__nv_bfloat16*>(p.o.out) + req * p.o.out_stride_b + s * p.o.out_stride_s;
+#pragma unroll
+  for (int q = 0; q < kHalf; ++q)
+#pragma unroll
+    for (int w = 0; w < kTileWords; ++w) {
+      const float4 peer = in[(q * kTileWords + w) * 128];
+      const float got[4] = {peer.x, peer.y, peer.z, peer.w};
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const int j = 4 * w + c, n = j / 4, e = j % 2, h = 8 * n + 2 * t4 + e;
+        if (h >= p.h_q) continue;
+        const float v0 = rank == 0 ? kept(q, j) : got[c], v1 = rank == 0 ? got[c] : kept(q, j);
+        float acc = 0.f;
+        if (w0[n][e] != 0.f) acc += w0[n][e] * v0;
+        if (w1[n][e] != 0.f) acc += w1[n][e] * v1;
+        out[h * p.o.out_stride_h + (rank * kHalf + q) * 64 + key_lo + 8 * (j % 4 / 2)] = __float2bfloat16_rn(acc);
+      }
+    }
+}
+#endif  // MLA_SM90A_DEVICE
+
+// kMerge: launched in clusters of two over an even split of two pieces a request, which merge_pair
+// merges (no combine follows; N = 16 only, see launch()).
+template <KvFormat F, int N, bool kMerge>
 __global__ void __launch_bounds__(kThreads, 1) sparse_decode_small_kernel(const __grid_constant__ SparseDecodeParams p) {
 #if defined(MLA_SM90A_DEVICE)
   using Fm = SparseFormat<F>;
@@ -184,9 +291,15 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_small_kernel(const 
     // instead of producing wrong scores.
     if (smem_addr(smem_raw) & 1023u) __trap();
     for (int b = 0; b < 2; ++b) mbar_init(&sm.full[b], kProducerWgs * 128), mbar_init(&sm.empty[b], 128);
+    if constexpr (kMerge) {
+      mbar_init(&sm.merge_free, 128);  // the peer's consumer threads
+      mbar_init(&sm.merge_sent, 1);
+      mbar_expect_tx(&sm.merge_sent, 128 * 16 * kMergeWords<N>);  // completes once the peer's bytes land
+    }
     fence_barrier_init();
   }
-  __syncthreads();
+  if constexpr (kMerge) cluster_sync();  // the peer's barriers exist before anything arrives on them
+  else __syncthreads();
   wait_then_plan<kThreads>(p.split, plan, part, sm.k[0], sm.k[1]);
 
   const int num_pieces = decode_io::num_pieces(p.split, p.b, part);
@@ -328,35 +441,59 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_small_kernel(const 
       // ---- epilogue ----------------------------------------------------------------------------
       small_row_sums<N>(l_part, sm.warp_sum, warp, lane);
       named_sync(1, 128);
+      if constexpr (kMerge) {
+        merge_pair<N>(p, sm.k[0][0], &sm.merge_free, &sm.merge_sent, o, m_run, sm.warp_sum, i, s, wtid);
+      } else {
 #pragma unroll
-      for (int n = 0; n < kNT; ++n)
+        for (int n = 0; n < kNT; ++n)
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int h = 8 * n + 2 * t4 + e;
-          if (h >= p.h_q) continue;
-          const float l = sm.warp_sum[0][h] + sm.warp_sum[1][h] + sm.warp_sum[2][h] + sm.warp_sum[3][h];
-          const float m = m_run[n][e];
-          const float sink = p.attn_sink ? p.attn_sink[h] : -INFINITY;
-          small_store_column<__nv_bfloat16, N>(p.o, p.split, p.b, p.s_q, p.h_q, i, pc.is_split, pc.split_index, s, h,
-                                               o, n, e, key_lo, m, l, sink, warp == 0 && g == 0);
-        }
+          for (int e = 0; e < 2; ++e) {
+            const int h = 8 * n + 2 * t4 + e;
+            if (h >= p.h_q) continue;
+            const float l = sm.warp_sum[0][h] + sm.warp_sum[1][h] + sm.warp_sum[2][h] + sm.warp_sum[3][h];
+            const float m = m_run[n][e];
+            const float sink = p.attn_sink ? p.attn_sink[h] : -INFINITY;
+            small_store_column<__nv_bfloat16, N>(p.o, p.split, p.b, p.s_q, p.h_q, i, pc.is_split, pc.split_index, s,
+                                                 h, o, n, e, key_lo, m, l, sink, warp == 0 && g == 0);
+          }
+      }
     }
   }
 #endif  // MLA_SM90A_DEVICE
 }
 
+// Launches the kernel for this call; `merged`: in clusters of two that merge the pieces themselves
+// (merge_pair), where the call plans for itself, its plan is the even split of two pieces a request
+// (its shape alone says so: plan_uniform_choice), and every cluster of the grid is resident at once
+// (the pair of a request waits for its peer). Else the combine follows (combine_sparse).
 template <KvFormat F, int N>
-cudaError_t launch(const SparseDecodeParams& p, cudaStream_t stream) {
+cudaError_t launch(const SparseDecodeParams& p, cudaStream_t stream, bool& merged) {
   constexpr int smem = int(sizeof(Smem<SparseFormat<F>::kD, N>));
   static_assert(smem <= 227 * 1024, "both key buffers, Q and P fit the 227 KB an sm90 block may use");
   // With the 1 KB every block reserves, V3.2 at N = 16 must stay within the 164 KB carveout: the
   // next one (196 KB) leaves the producers' loads 60 KB of L1 instead of 92 (76.5 -> 79.5 us).
   static_assert(F != KvFormat::kV32 || N != 16 || smem + 1024 <= 164 * 1024, "V3.2 N = 16 fits 164 KB");
-  const cudaError_t err =
-      raise_smem_limit_once<sparse_decode_small_kernel<F, N>>(smem, "the sm90 small-heads sparse kernel");
+  static_assert(128 * 16 * kMergeWords<N> <= sizeof(Smem<SparseFormat<F>::kD, N>::k[0]), "the peer's partial fits a key buffer");
+  const dim3 grid(1, unsigned(p.s_q), unsigned(p.split.num_sm_parts)), pair(1, 1, 2);
+  merged = false;
+  // At 16 heads only: at 32 the merge measured slower than the combine (H100, whole calls, V3.2
+  // topk 2048, b=64 h_q=32: 56.9 -> 58.0 us), at 16 faster (b=66 h_q=16: 52.9 -> 51.4).
+  if constexpr (N == 16) {
+    if (p.split.plan_fresh && p.split.num_sm_parts % 2 == 0 && cluster_merge() &&
+        plan_uniform_choice(sparse_plan_params(p)).even_k == 2) {
+      constexpr auto kernel = sparse_decode_small_kernel<F, N, true>;
+      const cudaError_t err = raise_smem_limit_once<kernel>(smem, "the sm90 small-heads sparse kernel");
+      if (err != cudaSuccess) return err;
+      if (clusters_resident<kernel>(kThreads, smem, pair) >= p.s_q * (p.split.num_sm_parts / 2)) {
+        merged = true;
+        return launch_dependent(kernel, grid, kThreads, smem, stream, p, pair);
+      }
+    }
+  }
+  constexpr auto kernel = sparse_decode_small_kernel<F, N, false>;
+  const cudaError_t err = raise_smem_limit_once<kernel>(smem, "the sm90 small-heads sparse kernel");
   if (err != cudaSuccess) return err;
-  return launch_dependent(sparse_decode_small_kernel<F, N>, dim3(1, unsigned(p.s_q), unsigned(p.split.num_sm_parts)),
-                          kThreads, smem, stream, p);
+  return launch_dependent(kernel, grid, kThreads, smem, stream, p);
 }
 
 }  // namespace sm90_sparse_small
@@ -368,11 +505,13 @@ cudaError_t sm90_sparse_decode_small(const SparseDecodeParams& p, cudaStream_t s
   if (p.h_q > 32) return cudaErrorInvalidValue;  // the dispatch never sends more (kFeatHeadsOver32)
   using namespace sm90_sparse_small;
   cudaError_t err;
+  bool merged = false;
   if (p.format == KvFormat::kV32)
-    err = p.h_q <= 16 ? launch<KvFormat::kV32, 16>(p, stream) : launch<KvFormat::kV32, 32>(p, stream);
+    err = p.h_q <= 16 ? launch<KvFormat::kV32, 16>(p, stream, merged) : launch<KvFormat::kV32, 32>(p, stream, merged);
   else
-    err = p.h_q <= 16 ? launch<KvFormat::kModel1, 16>(p, stream) : launch<KvFormat::kModel1, 32>(p, stream);
-  if (err != cudaSuccess) return err;
+    err = p.h_q <= 16 ? launch<KvFormat::kModel1, 16>(p, stream, merged)
+                      : launch<KvFormat::kModel1, 32>(p, stream, merged);
+  if (err != cudaSuccess || merged) return err;
   return combine_sparse(p, stream);
 }
 
