@@ -327,7 +327,6 @@ inline PlanUniformChoice plan_uniform_choice(const DecodePlanParams& p) {
   r.even_k = plan_even_pieces(p.b, l.blocks, l.f, p.num_sm_parts, l.w0, false);
   return r;
 }
-inline bool plan_uniform_whole(const DecodePlanParams& p) { return plan_uniform_choice(p).whole; }
 
 // Request i, starting at unit `start` of the line, with `blocks` = request_blocks(p, i): writes the
 // fields of the rows it begins or ends (every other field of those rows is written by the request

@@ -37,12 +37,20 @@ inline CombineParams combine_params(int b, int s_q, int h_q, const DecodeSplit& 
 
 // The combine after a Hopper sparse attention kernel, unless that kernel made the call's plan
 // itself and the plan keeps every request whole: a call whose requests all have the same blocks
-// (the usual V3.2 call), whose plan follows from its shape (plan_uniform_whole, the planner's own
+// (the usual V3.2 call), whose plan follows from its shape (plan_uniform_choice, the planner's own
 // test). Every piece then wrote out / lse, and the combine would only wait for the attention kernel
 // to end and find no split. A plan made before the call may be any plan: the combine runs.
-inline cudaError_t combine_sparse(const SparseDecodeParams& p, cudaStream_t stream) {
-  if (p.split.plan_fresh && plan_uniform_whole(sparse_plan_params(p))) return cudaSuccess;
+// fresh_uniform_choice: what the call's own plan does where the call plans for itself (nothing known
+// otherwise); a launcher that already asked passes its answer.
+inline PlanUniformChoice fresh_uniform_choice(const SparseDecodeParams& p) {
+  return p.split.plan_fresh ? plan_uniform_choice(sparse_plan_params(p)) : PlanUniformChoice{};
+}
+inline cudaError_t combine_sparse(const SparseDecodeParams& p, cudaStream_t stream, const PlanUniformChoice& fresh) {
+  if (fresh.whole) return cudaSuccess;
   return combine(combine_params(p.b, p.s_q, p.h_q, p.split, p.o, p.attn_sink), stream, /*pdl=*/true);
+}
+inline cudaError_t combine_sparse(const SparseDecodeParams& p, cudaStream_t stream) {
+  return combine_sparse(p, stream, fresh_uniform_choice(p));
 }
 
 // Portable kernels (sm80+): the whole envelope of SPEC §6.

@@ -151,7 +151,6 @@ TEST(Plan, UniformChoiceFromTheShapeAloneMatchesThePlan) {
             const PlanUniformChoice c = plan_uniform_choice(p);
             ASSERT_TRUE(c.ok) << shape;
             EXPECT_EQ(c.whole, none_cut) << shape;
-            EXPECT_EQ(plan_uniform_whole(p), none_cut) << shape;
             std::vector<int32_t> rows(size_t(parts) * kPlanRowInts);
             for (int j = 0; j < parts; ++j)
               *reinterpret_cast<PlanRow*>(rows.data() + j * kPlanRowInts) =
@@ -170,21 +169,21 @@ TEST(Plan, UniformChoiceFromTheShapeAloneMatchesThePlan) {
   SparseDecodeParams sp;  // the benchmark's V3.2 shapes on 132 SMs
   sp.b = 128, sp.s_q = 1, sp.h_q = 16, sp.topk = 2048;
   sp.split.num_sm_parts = 132;
-  EXPECT_TRUE(plan_uniform_whole(sparse_plan_params(sp)));
+  EXPECT_TRUE(plan_uniform_choice(sparse_plan_params(sp)).whole);
   sp.b = 64, sp.h_q = 32;
-  EXPECT_FALSE(plan_uniform_whole(sparse_plan_params(sp)));
+  EXPECT_FALSE(plan_uniform_choice(sparse_plan_params(sp)).whole);
   EXPECT_EQ(plan_uniform_choice(sparse_plan_params(sp)).even_k, 2) << "halves, in pairs of parts";
   sp.b = 128, sp.h_q = 128, sp.split.num_sm_parts = 66;
-  EXPECT_TRUE(plan_uniform_whole(sparse_plan_params(sp)));
+  EXPECT_TRUE(plan_uniform_choice(sparse_plan_params(sp)).whole);
   const std::vector<int32_t> lens(128, 2048);
   DecodePlanParams with_lengths = sparse_plan_params(sp);
   with_lengths.topk_length = lens.data();
   EXPECT_FALSE(plan_uniform_choice(with_lengths).ok) << "per-request lengths: only the device knows them";
-  EXPECT_FALSE(plan_uniform_whole(with_lengths));
+  EXPECT_FALSE(plan_uniform_choice(with_lengths).whole);
   with_lengths.topk_length = nullptr, with_lengths.extra_topk = 64, with_lengths.extra_topk_length = lens.data();
-  EXPECT_FALSE(plan_uniform_whole(with_lengths));
+  EXPECT_FALSE(plan_uniform_choice(with_lengths).whole);
   with_lengths.extra_topk_length = nullptr, with_lengths.b = 0;
-  EXPECT_FALSE(plan_uniform_whole(with_lengths)) << "no requests";
+  EXPECT_FALSE(plan_uniform_choice(with_lengths).whole) << "no requests";
 }
 
 // What a part runs: its blocks (an empty request charged one) plus f per piece, continuing pieces

@@ -24,6 +24,7 @@
 #include <cuda_runtime.h>
 
 #include "../implementations.h"
+#include "decode_io.cuh"
 #include "mla/mla.h"
 
 namespace mla::cuda {
@@ -118,7 +119,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) combine_kernel(Combin
   if (lane == 0 && blockIdx.z == 0) p.o.lse[i * p.o.lse_stride_b + s * p.o.lse_stride_s + h * p.o.lse_stride_h] = g * kLn2;
   // Fold the sink into the normaliser: g = log2(2^g + 2^sink2).
   const float sink2 = p.attn_sink ? p.attn_sink[h] * kLog2e : -INFINITY;
-  g = g != INFINITY ? g + log2f(1.f + exp2f(sink2 - g)) : (sink2 == -INFINITY ? INFINITY : sink2);
+  g = decode_io::fold_sink(g, sink2);
 
   float4 acc[kQuarters];
 #pragma unroll

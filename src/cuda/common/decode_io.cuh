@@ -31,6 +31,13 @@ __device__ __forceinline__ PlanPiece piece(const DecodeSplit& split, const Decod
   return plan_piece(row, split.num_splits, k, request_blocks(plan, row.begin_req + k));
 }
 
+// The merged normaliser (log2 domain) with the attention sink folded in, log2(2^g + 2^sink2): g the
+// merged lse (INFINITY where no key counted), sink2 the sink times log2(e) (-INFINITY: none). The
+// combine kernel and the small-heads kernel's cluster merge both use it, so that they agree bitwise.
+__device__ __forceinline__ float fold_sink(float g, float sink2) {
+  return g != INFINITY ? g + log2f(1.f + exp2f(sink2 - g)) : (sink2 == -INFINITY ? INFINITY : sink2);
+}
+
 template <typename T>
 __device__ __forceinline__ void store_pair(T* dst, float a, float b) {
   *reinterpret_cast<uint32_t*>(dst) = ptx::pack2<T>(a, b);

@@ -238,7 +238,7 @@ __device__ __forceinline__ void merge_pair(const SparseDecodeParams& p, uint8_t*
         if (rank == 0 && warp == 0 && g == 0 && h < p.h_q)
           p.o.lse[req * p.o.lse_stride_b + s * p.o.lse_stride_s + h * p.o.lse_stride_h] = gl * kLn2;
         const float sink2 = p.attn_sink ? p.attn_sink[h < p.h_q ? h : 0] * kLog2e : -INFINITY;
-        gl = gl != INFINITY ? gl + log2f(1.f + exp2f(sink2 - gl)) : (sink2 == -INFINITY ? INFINITY : sink2);
+        gl = decode_io::fold_sink(gl, sink2);
         w0[n + d][e] = exp2f(l0 - gl);
         w1[n + d][e] = exp2f(l1 - gl);
       }
@@ -463,11 +463,11 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_small_kernel(const 
 }
 
 // Launches the kernel for this call; `merged`: in clusters of two that merge the pieces themselves
-// (merge_pair), where the call plans for itself, its plan is the even split of two pieces a request
-// (its shape alone says so: plan_uniform_choice), and every cluster of the grid is resident at once
+// (merge_pair), where the call plans for itself into the even split of two pieces a request (`fresh`:
+// its shape alone says so), and every cluster of the grid is resident at once
 // (the pair of a request waits for its peer). Else the combine follows (combine_sparse).
 template <KvFormat F, int N>
-cudaError_t launch(const SparseDecodeParams& p, cudaStream_t stream, bool& merged) {
+cudaError_t launch(const SparseDecodeParams& p, cudaStream_t stream, const PlanUniformChoice& fresh, bool& merged) {
   constexpr int smem = int(sizeof(Smem<SparseFormat<F>::kD, N>));
   static_assert(smem <= 227 * 1024, "both key buffers, Q and P fit the 227 KB an sm90 block may use");
   // With the 1 KB every block reserves, V3.2 at N = 16 must stay within the 164 KB carveout: the
@@ -479,8 +479,7 @@ cudaError_t launch(const SparseDecodeParams& p, cudaStream_t stream, bool& merge
   // At 16 heads only: at 32 the merge measured slower than the combine (H100, whole calls, V3.2
   // topk 2048, b=64 h_q=32: 56.9 -> 58.0 us), at 16 faster (b=66 h_q=16: 52.9 -> 51.4).
   if constexpr (N == 16) {
-    if (p.split.plan_fresh && p.split.num_sm_parts % 2 == 0 && cluster_merge() &&
-        plan_uniform_choice(sparse_plan_params(p)).even_k == 2) {
+    if (fresh.even_k == 2 && p.split.num_sm_parts % 2 == 0 && cluster_merge()) {
       constexpr auto kernel = sparse_decode_small_kernel<F, N, true>;
       const cudaError_t err = raise_smem_limit_once<kernel>(smem, "the sm90 small-heads sparse kernel");
       if (err != cudaSuccess) return err;
@@ -504,15 +503,17 @@ cudaError_t sm90_sparse_decode_small(const SparseDecodeParams& p, cudaStream_t s
   if (p.split.plan_fresh && p.split.num_sm_parts > kPlanMaxPartsIn64KB) return cudaErrorInvalidValue;
   if (p.h_q > 32) return cudaErrorInvalidValue;  // the dispatch never sends more (kFeatHeadsOver32)
   using namespace sm90_sparse_small;
+  const PlanUniformChoice fresh = fresh_uniform_choice(p);  // asked once: the merge and the combine
   cudaError_t err;
   bool merged = false;
   if (p.format == KvFormat::kV32)
-    err = p.h_q <= 16 ? launch<KvFormat::kV32, 16>(p, stream, merged) : launch<KvFormat::kV32, 32>(p, stream, merged);
+    err = p.h_q <= 16 ? launch<KvFormat::kV32, 16>(p, stream, fresh, merged)
+                      : launch<KvFormat::kV32, 32>(p, stream, fresh, merged);
   else
-    err = p.h_q <= 16 ? launch<KvFormat::kModel1, 16>(p, stream, merged)
-                      : launch<KvFormat::kModel1, 32>(p, stream, merged);
+    err = p.h_q <= 16 ? launch<KvFormat::kModel1, 16>(p, stream, fresh, merged)
+                      : launch<KvFormat::kModel1, 32>(p, stream, fresh, merged);
   if (err != cudaSuccess || merged) return err;
-  return combine_sparse(p, stream);
+  return combine_sparse(p, stream, fresh);
 }
 
 }  // namespace mla::cuda
