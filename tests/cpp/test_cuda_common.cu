@@ -175,6 +175,64 @@ TEST(CudaPlan, EachCtaMakesItsOwnRow) {
   }
 }
 
+// One CTA plans for part `only` alone, as the attention kernels' CTAs do, with nobody else writing.
+__global__ void lone_plan_kernel(DecodePlanParams p, int only) {
+  using Planner = cuda::BlockPlanner<384>;
+  __shared__ Planner::Scratch scratch;
+  extern __shared__ unsigned long long part_cost[];
+  Planner::plan(p, only, scratch, part_cost);
+}
+
+// A CTA of a call with uniform requests (the closed-form planner) that plans for its part alone
+// writes its row and every num_splits entry its pieces read ([begin_req, end_req + 1]) as the host
+// plan has them, and past those only its share of the entries (index % num_sm_parts == its part),
+// so that the parts together write each entry without all of them writing all b + 1.
+TEST(CudaPlan, ACtaAloneWritesTheSplitsItReads) {
+  std::mt19937 rng(11);
+  int kinds[3] = {0, 0, 0};  // whole, cut, even split
+  for (int trial = 0; trial < 300; ++trial) {
+    DecodePlanParams p;
+    p.b = 1 + int(rng() % (trial % 2 ? 80 : 600));
+    p.num_sm_parts = 1 + int(rng() % 132);
+    p.fixed_cost = 1 + trial % kPlanFixedOverheadBlocks;
+    p.topk = 1 + int(rng() % 4096);
+    p.extra_topk = rng() % 4 == 0 ? 1 + int(rng() % 1024) : 0;
+    const PlanUniformChoice choice = plan_uniform_choice(p);
+    ASSERT_TRUE(choice.ok);
+    ++kinds[choice.even_k > 0 ? 2 : choice.whole ? 0 : 1];
+    std::vector<int32_t> rows(p.num_sm_parts * kPlanRowInts), ns(p.b + 1);
+    DecodePlanParams host = p;
+    host.tile_scheduler_metadata = rows.data();
+    host.num_splits = ns.data();
+    plan_decode_host(host);
+
+    const int only = int(rng() % p.num_sm_parts);
+    DecodePlanParams dev = p;
+    int32_t* d_rows = to_device(std::vector<int32_t>(rows.size(), -9));
+    int32_t* d_ns = to_device(std::vector<int32_t>(ns.size(), -9));
+    dev.tile_scheduler_metadata = d_rows;
+    dev.num_splits = d_ns;
+    lone_plan_kernel<<<1, 384, cuda::BlockPlanner<384>::part_cost_bytes(p.num_sm_parts)>>>(dev, only);
+    CUDA_OK(cudaGetLastError());
+    CUDA_OK(cudaDeviceSynchronize());
+    const auto got_rows = to_host(d_rows, rows.size());
+    const auto got_ns = to_host(d_ns, ns.size());
+    const std::string what = "trial " + std::to_string(trial) + ", b " + std::to_string(p.b) + ", parts " +
+                             std::to_string(p.num_sm_parts) + ", part " + std::to_string(only);
+    for (int x = 0; x < kPlanRowInts; ++x)
+      EXPECT_EQ(got_rows[only * kPlanRowInts + x], rows[only * kPlanRowInts + x]) << what << ", row field " << x;
+    const PlanRow& row = reinterpret_cast<const PlanRow*>(rows.data())[only];
+    const bool busy = row.begin_req < p.b && row.end_req >= row.begin_req;
+    for (int i = 0; i <= p.b; ++i) {
+      const bool read = busy && i >= row.begin_req && i <= row.end_req + 1, share = i % p.num_sm_parts == only;
+      if (read || share) EXPECT_EQ(got_ns[i], ns[i]) << what << ", num_splits[" << i << "]";
+      else if (busy) EXPECT_EQ(got_ns[i], -9) << what << ": num_splits[" << i << "] is neither read nor its share";
+    }
+    for (void* ptr : {(void*)d_rows, (void*)d_ns}) cudaFree(ptr);
+  }
+  for (int k = 0; k < 3; ++k) EXPECT_GT(kinds[k], 10) << "plan kind " << k << " (whole, cut, even) too rare";
+}
+
 // Plans these lengths over `parts` parts, fills the partials at random (a split with lse -inf gets a
 // NaN row: it has weight 0 and must add nothing) and checks the device combine against the host's.
 void expect_combine_matches_host(const std::vector<int32_t>& lens, int s_q, int h_q, int parts, uint32_t seed) {

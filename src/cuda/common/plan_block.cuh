@@ -1,20 +1,26 @@
 // The decode planner run by the kThreads threads of one CTA, one thread per request (in rounds of
-// kThreads for larger batches): by the planner kernel, for every row, and by attention kernels
-// that plan for themselves, each CTA for its own part's row (the same computation, so the rows
-// agree). The costs are summed and the rows set idle; a scan of the costs gives each request its
-// position on the line (plan.h), from which each thread marks the widths that would cut its
-// request and adds its units to the part it would fall in at each width (part_cost), to rule out
-// widths that leave a part over the bound; with the width chosen, each thread writes the rows its
-// request begins or ends, and a second scan turns the piece counts into num_splits (every caller
-// writes all of them: the same values). The same functions (plan.h) make the host plan, so device
-// and host plans are identical. One implementation, plan_line(), instantiated for 32-bit positions
-// (lines under 2^31 units; divisions by the few candidate widths as a multiply-high) and for 64-bit
-// ones (any line); the scans are warp shuffles and two barriers. A call whose requests all have the
-// same blocks (sparse, without per-request lengths: the usual V3.2 call) takes plan_uniform(), the
-// same plan in closed form: checks per (width, part) instead of a pass over the requests, one
-// barrier, and the piece-count scan only where the width cuts requests; or the even split of
-// plan_even_pieces (both planners, and the host's, take it alike). H100, whole V3.2 calls
-// (forty-third session): 2.6 us faster at b=128 h_q=16, 2.2 at b=64 h_q=32, 3.5 at b=128 h_q=128.
+// kThreads for larger batches): by the planner kernel, for every row, and by attention kernels that
+// plan for themselves, each CTA for its own part's row (the same computation, so the rows agree).
+// The costs are summed and the rows set idle; a scan of the costs gives each request its position
+// on the line (plan.h), from which each thread marks the widths that would cut its request and adds
+// its units to the part it would fall in at each width (part_cost), to rule out widths that leave a
+// part over the bound; with the width chosen, each thread writes the rows its request begins or
+// ends, and a second scan turns the piece counts into num_splits (every caller writes all of them,
+// the same values; in the closed form below a CTA planning for its own part writes only those its
+// pieces read and a 1 / num_sm_parts share: writes_split). The same functions (plan.h) make the
+// host plan, so device and host plans are identical. One implementation, plan_line(), instantiated
+// for 32-bit positions (lines under 2^31 units; divisions by the few candidate widths as a
+// multiply-high) and for 64-bit ones (any line); the scans are warp shuffles and two barriers. A
+// call whose requests all have the same blocks (sparse, without per-request lengths: the usual V3.2
+// call) takes plan_uniform(), the same plan in closed form: checks per (width, part) instead of a
+// pass over the requests, one barrier, and the piece-count scan only where the width cuts requests;
+// or the even split of plan_even_pieces (both planners, and the host's, take it alike). H100, whole
+// V3.2 calls (forty-third session): 2.6 us faster at b=128 h_q=16, 2.2 at b=64 h_q=32, 3.5 at b=128
+// h_q=128.
+// A kernel launched as a programmatic dependent (PDL) may start planning before the grid it depends
+// on has finished: the planner waits for it (griddepcontrol.wait) before it first touches global
+// memory, which in the closed form is once the plan is made, so the plan is made under the previous
+// kernel's tail.
 #pragma once
 
 #include "mla/plan.h"
@@ -32,6 +38,24 @@ namespace mla::cuda {
 // Parts whose costs fit 64 KB (the smallest key buffer of the attention kernels that plan in it):
 // more than any GPU has SMs. The dispatcher plans elsewhere beyond it; the kernels check it.
 constexpr int kPlanMaxPartsIn64KB = 65536 / (kPlanWidthChoices * 8);
+
+// Waits for the grids this kernel depends on to finish and their writes to be visible (a no-op where
+// it was not launched as a programmatic dependent). The planner touches nothing in global memory
+// before it: the previous kernel may still read the last plan, or write this call's lengths.
+__device__ __forceinline__ void wait_for_prior_grids() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
+// Whether the CTA planning for `only_part` (< 0: every part) writes num_splits[i]: every entry where
+// it plans every part; else the entries [lo, hi] its own pieces read and every num_sm_parts-th entry
+// from only_part, so that the parts together write all b + 1 (a CTA reads only what it wrote; the
+// combine reads them all once the grid is done). Every CTA writing all of them put b + 1 stores
+// from every CTA into the same lines.
+__device__ __forceinline__ bool writes_split(int i, int only_part, int parts, int lo, int hi) {
+  return only_part < 0 || (i >= lo && i <= hi) || i % parts == only_part;
+}
 
 template <int kThreads>
 struct BlockPlanner {
@@ -53,8 +77,8 @@ struct BlockPlanner {
 
   // An attention kernel's prologue with a fresh plan: plans for `part` with its (not yet used) key
   // buffers as scratch, `scratch` for Scratch and `costs` for the part costs (64 KB at least: at
-  // most kPlanMaxPartsIn64KB parts). Ends with the proxy fence (TMA or a peer's bulk copies write
-  // the same bytes next); the caller synchronises after.
+  // most kPlanMaxPartsIn64KB parts). Returns after wait_for_prior_grids. Ends with the proxy fence
+  // (TMA or a peer's bulk copies write the same bytes next); the caller synchronises after.
   __device__ static void run_in(const DecodePlanParams& p, int part, void* scratch, void* costs) {
     // A copy for the out-of-line planner: the kernel's own params stay in registers.
     const DecodePlanParams copy = p;
@@ -68,9 +92,12 @@ struct BlockPlanner {
   // caller synchronises the CTA before it reads what was written. `costs` holds part_cost_bytes().
   // Lines under 2^31 units (any batch a GPU holds) take 32-bit positions and divide by the
   // candidate widths with a multiply-high (PlanInvariantDiv); longer ones 64-bit positions and
-  // divisions. The same code either way, and the same plan as the host's.
+  // divisions. The same code either way, and the same plan as the host's. Returns after
+  // wait_for_prior_grids: plan_uniform, which reads nothing but p, waits before its first store; the
+  // line planners, which read the lengths, before they start.
   __device__ static void plan(const DecodePlanParams& p, int only_part, Scratch& sc, void* costs) {
     if (plan_uniform_requests(p) && plan_uniform(p, only_part, sc)) return;
+    wait_for_prior_grids();
     if (!plan_line<unsigned, PlanInvariantDiv>(p, only_part, sc, costs)) run_general(p, only_part, sc, costs);
   }
   // The 64-bit planner for any line (plan() takes it past 2^31 units; tests call it directly).
@@ -108,33 +135,50 @@ struct BlockPlanner {
     const unsigned w = unsigned(plan_choose_width(w0, unfit, f));
     const bool whole = !(unfit >> (w - w0) & 1u);  // no request cut (the width fits)
     if (const int k = plan_even_for(p, f, w0, unfit, w); k > 0) {
+      wait_for_prior_grids();
       write_even_split(p, only_part, blocks, k);
       return true;
     }
     const PlanInvariantDiv by_w(w);
 
-    // Rows: part j runs requests floor(j w / u) (the one holding its first unit) to the last whose
-    // first block unit is under (j + 1) w; those two write every field a row has (plan_request_by).
-    // Thread 0 makes row only_part, or every thread rows tid, tid + kThreads, ...
-    const int j_first = only_part >= 0 ? (tid == 0 ? only_part : parts) : tid;
-    const int j_end = only_part >= 0 ? only_part + 1 : parts;
-#pragma unroll 1
-    for (int j = j_first; j < j_end; j += kThreads) {
+    // Rows: part j runs requests i0 = floor(j w / u) (the one holding its first unit) to i1, the
+    // last whose first block unit is under (j + 1) w; those two write every field a row has
+    // (plan_request_by). Its pieces read num_splits [i0, i1 + 1].
+    auto requests_of = [&](int j, int& i0, int& i1) {
+      const unsigned at = unsigned(j) * w, end = at + w - 1;
+      i0 = int(by_u(at));
+      i1 = end >= unsigned(f) ? min(int(by_u(end - f)), b - 1) : -1;
+    };
+    auto make_row = [&](int j) {
       __builtin_assume(j >= 0);  // plan_request_by writes `row` alone, never the rows in memory
       PlanRow row = plan_idle(b);
-      const unsigned at = unsigned(j) * w, end = at + w - 1;
-      const int i0 = int(by_u(at));
-      const int i1 = end >= unsigned(f) ? min(int(by_u(end - f)), b - 1) : -1;
+      int i0, i1;
+      requests_of(j, i0, i1);
 #pragma unroll 1
       for (int i = i0; i <= i1; i = i < i1 ? i1 : i1 + 1)
         plan_request_by(by_w, p, i, (long long)i * u, blocks, w, j, &row);
-      reinterpret_cast<PlanRow*>(p.tile_scheduler_metadata)[j] = row;
+      return row;
+    };
+    int lo = 0, hi = b;  // writes_split's range
+    if (only_part >= 0) {
+      requests_of(only_part, lo, hi);
+      ++hi;
+      PlanRow row;  // made by thread 0 before the wait, stored after it
+      if (tid == 0) row = make_row(only_part);
+      wait_for_prior_grids();
+      if (tid == 0) reinterpret_cast<PlanRow*>(p.tile_scheduler_metadata)[only_part] = row;
+    } else {
+      wait_for_prior_grids();
+#pragma unroll 1
+      for (int j = tid; j < parts; j += kThreads)
+        reinterpret_cast<PlanRow*>(p.tile_scheduler_metadata)[j] = make_row(j);
     }
 
-    if (tid == 0) p.num_splits[0] = 0;
+    if (tid == 0 && writes_split(0, only_part, parts, lo, hi)) p.num_splits[0] = 0;
     if (whole) {
 #pragma unroll 1
-      for (int i = tid; i < b; i += kThreads) p.num_splits[i + 1] = i + 1;
+      for (int i = tid + 1; i <= b; i += kThreads)
+        if (writes_split(i, only_part, parts, lo, hi)) p.num_splits[i] = i;
       return true;
     }
     unsigned pieces_base = 0;
@@ -145,14 +189,15 @@ struct BlockPlanner {
       const unsigned pieces = i < b ? unsigned(by_w(start + u - 1) - by_w(start + f)) + 1u : 0u;
       unsigned round_pieces;
       const unsigned before = exclusive_sum(pieces, sc, round_pieces);
-      if (i < b) p.num_splits[i + 1] = int(pieces_base + before + pieces);
+      if (i < b && writes_split(i + 1, only_part, parts, lo, hi))
+        p.num_splits[i + 1] = int(pieces_base + before + pieces);
       pieces_base += round_pieces;
     }
     return true;
   }
 
   // The even split (plan_even_pieces: part j runs piece j % k of request j / k): row only_part, or
-  // every row, and num_splits.
+  // every row, and num_splits (part j's piece reads entries j / k and j / k + 1).
   __device__ static void write_even_split(const DecodePlanParams& p, int only_part, int blocks, int k) {
     const int tid = threadIdx.x;
     const int j_first = only_part >= 0 ? (tid == 0 ? only_part : p.num_sm_parts) : tid;
@@ -160,8 +205,10 @@ struct BlockPlanner {
 #pragma unroll 1
     for (int j = j_first; j < j_end; j += kThreads)
       reinterpret_cast<PlanRow*>(p.tile_scheduler_metadata)[j] = plan_even_row(p.b, blocks, k, j);
+    const int lo = only_part / k;
 #pragma unroll 1
-    for (int i = tid; i <= p.b; i += kThreads) p.num_splits[i] = i * k;
+    for (int i = tid; i <= p.b; i += kThreads)
+      if (writes_split(i, only_part, p.num_sm_parts, lo, lo + 1)) p.num_splits[i] = i * k;
   }
 
   // The sum of v over the CTA, in every thread.

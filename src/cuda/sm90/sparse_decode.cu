@@ -295,15 +295,18 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_kernel(const __grid
   }
   if constexpr (kPeers > 1) cluster_sync();  // the peer's barriers exist before anything arrives on them
   else __syncthreads();
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
   if (p.split.plan_fresh) {
-    // The call brought no plan: every CTA makes it (its own part's row, and num_splits: the same
-    // values from every CTA) before anything reads it, with its key buffers as scratch; with a peer,
-    // neither producer stores into the other's buffers before both have planned.
+    // The call brought no plan: every CTA makes it (its own part's row and the num_splits entries it
+    // reads, the same values wherever two CTAs write one) before anything reads it, with its key
+    // buffers as scratch, waiting for the work before it on the stream as late as it can (see
+    // wait_then_plan); with a peer, neither producer stores into the other's buffers before both
+    // have planned.
     static_assert(sizeof(typename BlockPlanner<kThreads>::Scratch) <= sizeof(sm.k[0]), "scratch fits a buffer");
     BlockPlanner<kThreads>::run_in(plan, part, sm.k[0], sm.k[1]);
     if constexpr (kPeers > 1) cluster_sync();
     else __syncthreads();
+  } else {
+    wait_for_prior_grids();
   }
   const int num_pieces = decode_io::num_pieces(p.split, p.b, part);
 
