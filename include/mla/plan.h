@@ -430,8 +430,9 @@ inline int num_sm_parts_sparse(int num_sms, int s_q, int h_q) {
 // Host planner: fills params.tile_scheduler_metadata and params.num_splits. Throws mla::Error when
 // a length is negative.
 void plan_decode_host(const DecodePlanParams& params);
-// The same plan's num_splits and row `part` alone, as an attention kernel planning for its own part
-// makes them (the other rows are left as they are).
+// The same plan's row `part` alone (the other rows are left as they are) and all of num_splits; an
+// attention kernel planning for its own part makes the same row, and of num_splits at least the
+// entries that part's pieces read (plan_block.cuh, writes_split).
 void plan_decode_host_part(const DecodePlanParams& params, int part);
 
 // Checks that a plan (possibly made by an earlier call) covers exactly the blocks of every request
