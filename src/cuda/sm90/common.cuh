@@ -33,8 +33,9 @@ struct DenseArgs {
 // What a decode kernel of kThreads threads does once its barriers are initialised and the CTA is
 // synchronised: it waits for the work before it on the stream (it is launched as a programmatic
 // dependent, so everything above overlapped that work's tail; the plan and the inputs are read only
-// after this) and, when the call brought no plan, makes it: every CTA its own part's row and the
-// num_splits entries it reads (writes_split), with two of its key buffers (empty until the first
+// after this) and, when the call brought no plan, makes it: every CTA its own part's row and
+// num_splits (all of it, or in the closed form the entries it reads: writes_split; the same values
+// wherever two CTAs write one), with two of its key buffers (empty until the first
 // loads) as the planner's scratch, before anything reads the plan. No planner kernel runs first.
 // The planner waits itself, as late as it can (plan_block.cuh): a closed-form plan is made before
 // the wait, under the previous kernel's tail, and only stored after it.

@@ -296,8 +296,8 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_kernel(const __grid
   if constexpr (kPeers > 1) cluster_sync();  // the peer's barriers exist before anything arrives on them
   else __syncthreads();
   if (p.split.plan_fresh) {
-    // The call brought no plan: every CTA makes it (its own part's row and the num_splits entries it
-    // reads, the same values wherever two CTAs write one) before anything reads it, with its key
+    // The call brought no plan: every CTA makes it (its own part's row and num_splits, at least the
+    // entries it reads, the same values wherever two CTAs write one) before anything reads it, with its key
     // buffers as scratch, waiting for the work before it on the stream as late as it can (see
     // wait_then_plan); with a peer, neither producer stores into the other's buffers before both
     // have planned.
