@@ -8,12 +8,11 @@
 // pieces; one CTA per SM):
 //   * warpgroups 1 and 2 produce, each half of every 64-slot block, two blocks ahead at N = 16
 //     (setmaxnreg 176, three register slots of V3.2 records, two of MODEL1's, which skip L1) and
-//     one at N = 32 (136, two slots): four
-//     threads per token gather the FP8 record with 16-byte loads (two 8-byte ones for a MODEL1
-//     record in a page block that is only 8-byte aligned), dequantise it to bf16 (exactly as the
-//     reference: e4m3 * scale rounded to bf16; RoPE copied) and store it into a 64 x D key buffer
-//     in the 128-byte swizzle, with a validity flag per token; two buffers handed over with full /
-//     empty mbarriers;
+//     one at N = 32 (136, two slots): four threads per token gather the FP8 record with 16-byte
+//     loads (two 8-byte ones for a MODEL1 record in a page block that is only 8-byte aligned),
+//     evict-first in L2, dequantise it to bf16 (exactly as the reference: e4m3 * scale rounded to
+//     bf16; RoPE copied) and store it into a 64 x D key buffer in the 128-byte swizzle, with a
+//     validity flag per token; two buffers handed over with full / empty mbarriers;
 //   * warpgroup 0 (setmaxnreg 152 at N = 16, 232 at N = 32) consumes, with the heads as wgmma's N
 //     (16 or 32; no padding to 64): S^T (64 tokens x N heads) = K Q^T, masked by the validity
 //     flags; the softmax down the columns of S^T (lanes sharing a head, then the four warps through
@@ -27,78 +26,34 @@
 //   * with a fresh plan every CTA first plans its own part (plan_block.cuh; no planner kernel).
 // Tile sizes: 64-token blocks, N = 16 or 32 heads, two bf16 key buffers (144 KB at d_qk 576) + Q;
 // shared memory kept small, since what it leaves of 256 KB is the L1 the producers' loads land in.
-// Reached on an H200 (bench/RESULTS.md, fifteenth session, whole API calls beside FlashMLA padded to
-// 64 heads, in one run): MODEL1 b=128 h_q=16 mixed with sink 40.9 us (FlashMLA 105.5, 2.58x); V3.2
-// b=128 h_q=16 topk 2048 84.4 (153.8, 1.82x), 75 us with the plan reused; b=64 h_q=32 67.4 (108.2,
-// 1.60x). The largest steps: the token's lengths once per request, the index a block ahead and
-// per-thread store offsets 183.5 -> 155.8 us (h_q=16); a second producer warpgroup 155.8 -> 124.8;
-// the planner in the kernel; three register slots 92.6 -> 87.6; shared memory under 164 KB (more L1
-// for the loads in flight) 79.5 -> 76.5; O^T left in flight behind the next S^T 76.8 -> 75.2.
-// On an H100 (thirty-seventh session, records loaded evict-first in L2): V3.2 b=128 h_q=16 85.8 us
-// whole (FlashMLA padded 153.5, 1.79x), 81.7 with the plan reused; b=64 h_q=32 66.0 (110.3, 1.67x);
-// MODEL1 b=128 h_q=16 42.4 (109.0, 2.57x). There the V3.2 h_q=16 records alone gather in 69.3 us at
-// best, above 2.5x FlashMLA padded (61.4).
-// H200 again (fortieth session): whole calls 80.3 / 65.4 / 41.7 us (FlashMLA padded 148.8 / 106.9 /
-// 106.3: 1.85x / 1.63x / 2.55x). A topk sweep (plan reused) puts a block per SM at 2.04 us at N =
-// 16 and 2.49 at N = 32; the producers alone take 1.49 at both (87% of the copy ceiling), the
-// consumer alone 1.36 and 1.69; the fixed cost of a call is 11.1 us at h_q=16 and 17.7 at 32, 3.5
-// of the difference in the combine (every b=64 request is split).
-// Limits (H200): the records alone gather at best in 48.8 us (bench/gather_ceiling.cu); alone, the
-// producers take 57.5 us and the consumer 51.4. A m64n16k16 with its operands in shared memory
-// takes 21.3 cycles, bound by reading them (bench/wgmma_rate.cu), so S^T and O^T need 766 and 688
-// cycles a block on an idle SM but about 4.5 k here, where the producers' stores and their records'
-// passage through L1 share that data path. Measured slower: whole records staged by cp.async.bulk
-// (287 us against 183), three key buffers with S^T(j+1) before O^T(j) (MODEL1 48.5 -> 52.4), the
-// RoPE part of S^T from registers (90.5 -> 115.6), V3.2 records skipping L1 (80.8 -> 92; with two
-// slots 76.7 -> 82.3), the records copied as FP8 and dequantised into both products' register
-// operands by two consumer warpgroups (sparse_decode_frag.cu: 75-76 -> 110 us), the dequantisation
-// as bf16(e4m3) * bf16(scale) in bf16x2 (75-76 -> 80), a warpgroup vote (barrier.red.or) on whether
-// a block moves any head's running max, the maxima exchanged only then (H100, plan reused: h_q=32
-// 57.1 -> 58.0 us, h_q=16 81.0 -> 80.5); H200, plan reused, h_q=16 / 32: each register slot with
-// its own next token, the first blocks' indices read together (74.0 -> 76.3 / 57.5 -> 57.9), a
-// piece's Q staged by cp.async behind the previous piece's end (-> 85.2 / 58.6), the next slot's
-// records asked of L2 by cp.async.bulk.prefetch (-> 87.1 / 60.2); H100, plan reused, h_q=16 / 32:
-// S^T of block j issued ahead of O^T of block j - 1, so that the softmax's max, exp2 and P stores
-// run under that O^T (82.0 -> 90.5 / 57.4 -> 61.4: with two buffers, block j - 1's goes back only
-// after both land, and the producers' store into it then lies on the consumer's path); each key
-// buffer handed back in two halves, the key tiles of O^T's first four V tiles once those land (the
-// producers store them first), 81.3 -> 83.3 / 57.5 -> 57.6.
-// H100 (forty-second session, plan reused, means of two rounds, each part timed alone): the
-// combine in one resident wave 81.3 -> 80.4 us at h_q=16 and 57.5 -> 55.8 at h_q=32; released at
-// the start of each CTA's last piece (below; h_q=16 only) 81.3 -> 79.2.
-// H100 (forty-third session, whole calls beside FlashMLA padded, two rounds): a V3.2 call without
-// topk_length planned in closed form (plan_block.cuh) 88.0 / 87.2 -> 85.3 / 84.7 us at h_q=16
-// (FlashMLA 153.3-154.2: 1.80-1.81x) and 64.1 / 63.4 -> 61.4 / 61.6 at b=64 h_q=32 (110.4-110.8:
-// 1.79-1.80x).
-// H100 (forty-fourth session, whole calls, two rounds): 82.2-82.3 us at h_q=16 (FlashMLA padded
-// 152.2-152.6: 1.85-1.86x), 61.4-61.5 at b=64 h_q=32 (1.79x); warm in ncu the h_q=16 kernel keeps
-// the DRAM at 2.22 TB/s, 90% of the records-alone gather rate. Measured slower: a slot's records
-// located before its store and its loads written in as each chunk is dequantised (ptxas sinks them
-// to just before the proxy fence that ends the store): 82.2 -> 85.2 us at h_q=16; the same loads
-// held between extra fences 106.2. A slot's loads go out after its block is handed over (below).
-// H100 (forty-fifth session, whole calls, two rounds; h_q=16 / b=64 h_q=32 / MODEL1 h_q=16), measured
-// no faster than 84.8 / 61.5 / 41.2 us: the record located during the empty-buffer wait, its loads
-// right after the arrive 86.9 / 60.8 / 42.1; the next block's index prefetched into L1 84.7 / 61.4
-// / 41.2; V3.2 records skipping L1 at N = 32 67.9 at h_q=32.
-// H200 (forty-fifth session, whole calls, two runs): V3.2 b=128 h_q=16 76.7-76.9 us (FlashMLA padded
-// 148.6-148.8: 1.94x), b=64 h_q=32 60.7 (105.6-105.8: 1.74x), MODEL1 b=128 h_q=16 39.5 (2.67-2.68x).
-// H100 (forty-sixth session, whole calls, three rounds): no combine after a call whose own plan keeps
-// every request whole (combine_sparse) and the combine releasing the next call as it starts: V3.2
-// b=128 h_q=16 82.6-84.2 -> 80.5-81.3 us (FlashMLA padded 151.9-153.4: 1.88-1.89x), b=64 h_q=32
-// 61.2-62.0 -> 60.1-61.4 (1.80-1.82x).
-// H100 (forty-seventh session, whole calls, two rounds): the even split of uniform requests
-// (plan_even_pieces; b=64 h_q=32: 128 halves of 16 blocks, not parts of 15 and 17) 59.8-60.5 ->
-// 57.4-58.9 us (FlashMLA padded 109.1-110.3: 1.87-1.90x); 54.9 -> 52.2 with the plan reused.
-// Measured slower: the even split's two halves merged in a cluster of two through distributed
-// shared memory instead of the combine, written for up to eight pieces with its loops unrolled
-// (about 10 000 instructions run once per CTA): 56.5 -> 79.3 us; launching in clusters alone
-// costs nothing (55.9).
-// H100 (forty-eighth session, whole calls, V3.2 topk 2048): the merge again, compact (two pieces,
-// half the dims finished in each CTA; the kernel's code within 0.7% of the unmerged one's): b=66
-// h_q=16 52.9 -> 51.4 us (the combine took 6.5), b=64 h_q=32 56.9 -> 58.0 (attention kernel 53.4 ->
-// 56.9, combine 3.9), so it runs at N = 16 only; releasing the next call's kernel early as well
-// made no difference (51.7 -> 50.3, 56.8 -> 57.4). With the plan reused the b=64 h_q=32 attention
-// kernel takes 50.0 us against 53.2 planning for itself.
+//
+// Reached (bench/RESULTS.md; whole API calls with fresh plans beside FlashMLA padded to 64 heads,
+// in one run): H200, forty-fifth session: V3.2 b=128 h_q=16 topk 2048 76.7-76.9 us (1.94x), b=64
+// h_q=32 60.7 (1.74x), MODEL1 b=128 h_q=16 mixed with sink 39.5 (2.67x). H100, fifty-first
+// session (these kernels): V3.2 b=128 h_q=16 79.1-79.2 us (1.99x), b=66 h_q=16 50.3 (2.38-2.39x),
+// b=64 h_q=32 57.1-57.7 (1.94-1.95x); MODEL1 h_q=16 40.0-41.1 (2.67-2.72x, forty-sixth).
+// Where the time goes (H200, fortieth session, topk sweeps): a block per SM costs 2.04 us at N = 16
+// and 2.49 at N = 32; the producers alone take 1.49 at both (87% of the copy ceiling), the consumer
+// alone 1.36 and 1.69: the two share the SM's shared-memory and L1 data path (about 317 KB a block:
+// records in, bf16 keys out, both products' operands; a m64n16k16 from shared memory takes 21.3
+// cycles, bound by reading its operands, bench/wgmma_rate.cu). The records of b=128 topk 2048 alone
+// gather in 48.8 us at best on the H200 and 69.3 on the H100 (bench/gather_ceiling.cu): on the H100
+// above the 61.4 us that 2.5x FlashMLA padded would be.
+// The largest steps (H200, h_q=16 unless said): per-thread store offsets, the index a block ahead
+// and lengths once per request (183.5 -> 155.8 us); a second producer warpgroup (-> 124.8); the
+// planner in the kernel; three register slots (92.6 -> 87.6); shared memory under 164 KB (79.5 ->
+// 76.5); O^T in flight behind the next S^T (76.8 -> 75.2); records evict-first in L2 (H100, 94.0 ->
+// 87.7); the V3.2 plan in closed form; the even split of uniform requests.
+// Measured slower and dropped (the runs are in bench/RESULTS.md): whole records staged by
+// cp.async.bulk; three key buffers with S^T(j+1) before O^T(j); S^T's RoPE part from registers;
+// V3.2 records skipping L1; the keys dequantised into both products' register operands
+// (sparse_decode_frag.cu, 76 -> 110 us); the dequantisation in bf16x2; e4m3 products (also outside
+// SPEC §8); a vote on whether a block moves any head's max; per-slot next tokens; the next piece's
+// Q by cp.async; the next slot's records prefetched into L2; S^T(j) ahead of O^T(j - 1) with two
+// buffers; key buffers handed back in two halves; records located or loaded at other points of the
+// producers' loop; the cluster merge at 32 heads (see launch); its exchange as one bulk copy (no
+// faster); a merge by whichever CTA finishes a request last (H100, b=64 h_q=32: 57 -> 72 us); the
+// epilogue staged through shared memory (H100, b=128 h_q=16: 78 -> 81 us).
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -352,7 +307,8 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_small_kernel(const 
       mbar_arrive(&sm.full[buf]);
       ++block_count;
       --pending;
-      // Refilled only now: loads issued ahead of the fence made the call slower (see the header).
+      // Refilled only now: loads issued ahead of the proxy fence made the call slower (H100, h_q=16:
+      // 82.2 -> 85.2 us; ptxas sinks them to just before the fence anyway).
       load_next(slot);
       return true;
     };
