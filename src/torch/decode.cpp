@@ -1,4 +1,6 @@
 // Decode ops: metadata (planning), dense BF16/FP16/FP8 decode, sparse FP8 decode.
+#include <cmath>
+
 #include "checks.h"
 #include "device.h"
 #include "mla/formats.h"
@@ -125,15 +127,16 @@ struct DenseArgs {
   const OptTensor& descale_k;
 };
 
-// Dense decode shared by dense_decode_fwd, fwd_kvcache_mla and fwd_kvcache_mla_fp8.
-DecodeResult dense_decode(const char* op, const DenseArgs& a, bool fp8) {
+// Dense decode shared by dense_decode_fwd, fwd_kvcache_mla and fwd_kvcache_mla_fp8; `kcache`: the
+// op's name for the cache (fwd_kvcache_mla's is kv_cache).
+DecodeResult dense_decode(const char* op, const char* kcache, const DenseArgs& a, bool fp8) {
   ArgChecker c(op, device_of(op, a.q, "q"));
   if (fp8) {
     c.tensor(a.q, "q", 4, {at::kFloat8_e4m3fn});
   } else {
     c.tensor(a.q, "q", 4, {at::kBFloat16, at::kHalf});
   }
-  c.tensor(a.kcache, "kcache", 4, {a.q.scalar_type()});  // q's dtype
+  c.tensor(a.kcache, kcache, 4, {a.q.scalar_type()});  // q's dtype
   c.tensor(a.seqlens_k, "seqlens_k", 1, {kInt32});
   c.contiguous(a.seqlens_k, "seqlens_k");
   c.tensor(a.block_table, "block_table", 2, {kInt32});
@@ -142,7 +145,12 @@ DecodeResult dense_decode(const char* op, const DenseArgs& a, bool fp8) {
   const int h_k = int(a.kcache.size(2));
   check_rows(op, a.q, int64_t(b) * s_q * h_q);
   const int d_v = narrow_int(op, a.head_size_v, "head_size_v");
-  MLA_TORCH_CHECK(a.kcache.size(3) == d_qk, op, ": kcache head dim (dim 3) must equal q's (", d_qk, "), got ",
+  MLA_TORCH_CHECK(d_v == kHeadDimV, op, ": head_size_v must be ", kHeadDimV, ", got ", d_v);
+  MLA_TORCH_CHECK(std::isfinite(a.softmax_scale), op, ": softmax_scale must be finite, got ", a.softmax_scale);
+  MLA_TORCH_CHECK(h_k > 0, op, ": ", kcache, " h_k (dim 2) must be > 0, got ", h_k);
+  MLA_TORCH_CHECK(a.kcache.size(1) > 0, op, ": ", kcache, " page_block_size (dim 1) must be > 0, got ",
+                  a.kcache.size(1));
+  MLA_TORCH_CHECK(a.kcache.size(3) == d_qk, op, ": ", kcache, " head dim (dim 3) must equal q's (", d_qk, "), got ",
               a.kcache.size(3));
   c.shape(a.seqlens_k, "seqlens_k", {b}, "[b]");
   MLA_TORCH_CHECK(a.block_table.size(0) == b, op, ": block_table must have b = ", b, " rows, got shape ",
@@ -192,7 +200,7 @@ DecodeResult dense_decode(const char* op, const DenseArgs& a, bool fp8) {
   }
   fill_output(p.o, out, lse.transpose(1, 2));
 
-  if (a.q.is_cuda()) c.cuda_alignment(a.kcache, "kcache", 16, 3);
+  if (a.q.is_cuda()) c.cuda_alignment(a.kcache, kcache, 16, 3);
   plan_and_run(op, p, plan, a.q.device(), reference::dense_decode, cuda_dense_decode);
   if (plan.fresh) return {out, lse, plan.tile_scheduler_metadata, plan.num_splits};
   return {out, lse, std::nullopt, std::nullopt};
@@ -220,18 +228,29 @@ SparseKvCache sparse_cache(const Tensor& kv) {
 
 }  // namespace
 
-std::vector<Tensor> get_mla_decoding_metadata(const Tensor& seqlens_k, int64_t num_q_tokens_per_head_k, int64_t h_k,
-                                              std::optional<int64_t> h_q, bool is_fp8_kvcache,
-                                              std::optional<int64_t> topk) {
-  const char* op = "get_mla_decoding_metadata";
+namespace {
+
+// The metadata ops' names for the query rows per KV head and the KV heads:
+// get_mla_decoding_metadata's or get_mla_decoding_metadata_dense_fp8's, so that a message names
+// what the caller passed.
+struct MetadataNames {
+  const char* op;
+  const char* rows_per_head_k;
+  const char* h_k;
+};
+
+std::vector<Tensor> plan_metadata(const MetadataNames& n, const Tensor& seqlens_k, int64_t num_q_tokens_per_head_k,
+                                  int64_t h_k, std::optional<int64_t> h_q, bool is_fp8_kvcache,
+                                  std::optional<int64_t> topk) {
+  const char* op = n.op;
   ArgChecker c(op, device_of(op, seqlens_k, "seqlens_k"));
   c.tensor(seqlens_k, "seqlens_k", 1, {kInt32});
   c.contiguous(seqlens_k, "seqlens_k");
   const int b = int(seqlens_k.size(0));
   MLA_TORCH_CHECK(b > 0, op, ": seqlens_k must have b > 0 entries, got ", b);
-  MLA_TORCH_CHECK(h_k > 0 && h_k <= INT32_MAX, op, ": h_k must be in [1, 2^31), got ", h_k);
-  MLA_TORCH_CHECK(num_q_tokens_per_head_k > 0 && num_q_tokens_per_head_k <= INT32_MAX, op,
-                  ": num_q_tokens_per_head_k must be in [1, 2^31), got ", num_q_tokens_per_head_k);
+  MLA_TORCH_CHECK(h_k > 0 && h_k <= INT32_MAX, op, ": ", n.h_k, " must be in [1, 2^31), got ", h_k);
+  MLA_TORCH_CHECK(num_q_tokens_per_head_k > 0 && num_q_tokens_per_head_k <= INT32_MAX, op, ": ", n.rows_per_head_k,
+                  " must be in [1, 2^31), got ", num_q_tokens_per_head_k);
   const Tensor seqlens = seqlens_k;
   DecodePlanParams pp;
   pp.b = b;
@@ -268,16 +287,26 @@ std::vector<Tensor> get_mla_decoding_metadata(const Tensor& seqlens_k, int64_t n
   return {tsm, ns};
 }
 
+}  // namespace
+
+std::vector<Tensor> get_mla_decoding_metadata(const Tensor& seqlens_k, int64_t num_q_tokens_per_head_k, int64_t h_k,
+                                              std::optional<int64_t> h_q, bool is_fp8_kvcache,
+                                              std::optional<int64_t> topk) {
+  return plan_metadata({"get_mla_decoding_metadata", "num_q_tokens_per_head_k", "h_k"}, seqlens_k,
+                       num_q_tokens_per_head_k, h_k, h_q, is_fp8_kvcache, topk);
+}
+
 std::vector<Tensor> get_mla_decoding_metadata_dense_fp8(const Tensor& seqlens_k, int64_t num_heads_per_head_k,
                                                         int64_t num_heads_k) {
-  return get_mla_decoding_metadata(seqlens_k, num_heads_per_head_k, num_heads_k, std::nullopt, false, std::nullopt);
+  return plan_metadata({"get_mla_decoding_metadata_dense_fp8", "num_heads_per_head_k", "num_heads_k"}, seqlens_k,
+                       num_heads_per_head_k, num_heads_k, std::nullopt, false, std::nullopt);
 }
 
 DecodeResult dense_decode_fwd(const Tensor& q, const Tensor& kcache, int64_t head_size_v, const Tensor& seqlens_k,
                               const Tensor& block_table, double softmax_scale, bool is_causal,
                               const OptTensor& tile_scheduler_metadata, const OptTensor& num_splits) {
   const OptTensor none;
-  return dense_decode("dense_decode_fwd",
+  return dense_decode("dense_decode_fwd", "kcache",
                       {q, kcache, head_size_v, seqlens_k, block_table, softmax_scale, is_causal,
                        tile_scheduler_metadata, num_splits, none, none},
                       false);
@@ -288,29 +317,44 @@ std::vector<Tensor> fwd_kvcache_mla_fp8(const Tensor& q, const Tensor& kcache, i
                                         bool is_causal, const Tensor& tile_scheduler_metadata,
                                         const Tensor& num_splits, const OptTensor& descale_q,
                                         const OptTensor& descale_k) {
-  auto r = dense_decode("fwd_kvcache_mla_fp8",
+  auto r = dense_decode("fwd_kvcache_mla_fp8", "kcache",
                         {q, kcache, head_size_v, seqlens_k, block_table, softmax_scale, is_causal,
                          tile_scheduler_metadata, num_splits, descale_q, descale_k},
                         true);
   return {std::get<0>(r), std::get<1>(r)};
 }
 
-DecodeResult sparse_decode_fwd(const Tensor& q, const Tensor& kv, const Tensor& indices, const OptTensor& topk_length,
-                               const OptTensor& attn_sink, const OptTensor& tile_scheduler_metadata,
-                               const OptTensor& num_splits, const OptTensor& extra_kv,
-                               const OptTensor& extra_indices, const OptTensor& extra_topk_length, int64_t d_v,
-                               double sm_scale) {
-  const char* op = "sparse_decode_fwd";
+namespace {
+
+// Sparse decode's arguments as the caller named them: sparse_decode_fwd's own names, or
+// fwd_kvcache_mla's (which runs a call with indices here), so that a message names what was passed.
+struct SparseNames {
+  const char* op;
+  const char* kv;
+  const char* extra_kv;
+  const char* extra_indices;
+  const char* d_v;
+  const char* scale;
+};
+
+DecodeResult sparse_decode(const SparseNames& n, const Tensor& q, const Tensor& kv, const Tensor& indices,
+                           const OptTensor& topk_length, const OptTensor& attn_sink,
+                           const OptTensor& tile_scheduler_metadata, const OptTensor& num_splits,
+                           const OptTensor& extra_kv, const OptTensor& extra_indices,
+                           const OptTensor& extra_topk_length, int64_t d_v, double sm_scale) {
+  const char* op = n.op;
   ArgChecker c(op, device_of(op, q, "q"));
   c.tensor(q, "q", 4, {at::kBFloat16});
   const int b = int(q.size(0)), s_q = int(q.size(1)), h_q = int(q.size(2)), d_qk = int(q.size(3));
   check_rows(op, q, int64_t(b) * s_q * h_q);
-  const int d_v32 = narrow_int(op, d_v, "d_v");
+  const int d_v32 = narrow_int(op, d_v, n.d_v);
+  MLA_TORCH_CHECK(d_v32 == kHeadDimV, op, ": ", n.d_v, " must be ", kHeadDimV, ", got ", d_v32);
+  MLA_TORCH_CHECK(std::isfinite(sm_scale), op, ": ", n.scale, " must be finite, got ", sm_scale);
   MLA_TORCH_CHECK(d_qk == kHeadDimV32 || d_qk == kHeadDimModel1, op,
               ": q head dim (dim 3) must be 576 (V3.2 cache) or 512 (MODEL1 cache), got ", d_qk);
   const KvFormat format = d_qk == kHeadDimV32 ? KvFormat::kV32 : KvFormat::kModel1;
   const int bytes = bytes_per_token(format);
-  check_sparse_cache(c, kv, "kv", bytes);
+  check_sparse_cache(c, kv, n.kv, bytes);
   c.tensor(indices, "indices", 3, {kInt32});
   MLA_TORCH_CHECK(indices.size(0) == b && indices.size(1) == s_q, op, ": indices must have shape [b, s_q, topk] = [", b,
               ", ", s_q, ", topk], got ", indices.sizes());
@@ -324,15 +368,15 @@ DecodeResult sparse_decode_fwd(const Tensor& q, const Tensor& kv, const Tensor& 
     c.contiguous(*attn_sink, "attn_sink");
     c.shape(*attn_sink, "attn_sink", {h_q}, "[h_q]");
   }
-  MLA_TORCH_CHECK(extra_kv.has_value() == extra_indices.has_value(), op,
-              ": extra_kv and extra_indices must be given together, got ", extra_kv ? "extra_kv" : "extra_indices",
-              " alone");
-  MLA_TORCH_CHECK(!extra_topk_length || extra_kv, op, ": extra_topk_length needs extra_kv and extra_indices");
+  MLA_TORCH_CHECK(extra_kv.has_value() == extra_indices.has_value(), op, ": ", n.extra_kv, " and ", n.extra_indices,
+              " must be given together, got ", extra_kv ? n.extra_kv : n.extra_indices, " alone");
+  MLA_TORCH_CHECK(!extra_topk_length || extra_kv, op, ": extra_topk_length needs ", n.extra_kv, " and ",
+                  n.extra_indices);
   if (extra_kv) {
-    check_sparse_cache(c, *extra_kv, "extra_kv", bytes);
-    c.tensor(*extra_indices, "extra_indices", 3, {kInt32});
-    MLA_TORCH_CHECK(extra_indices->size(0) == b && extra_indices->size(1) == s_q, op,
-                ": extra_indices must have shape [b, s_q, extra_topk] = [", b, ", ", s_q, ", extra_topk], got ",
+    check_sparse_cache(c, *extra_kv, n.extra_kv, bytes);
+    c.tensor(*extra_indices, n.extra_indices, 3, {kInt32});
+    MLA_TORCH_CHECK(extra_indices->size(0) == b && extra_indices->size(1) == s_q, op, ": ", n.extra_indices,
+                " must have shape [b, s_q, extra_topk] = [", b, ", ", s_q, ", extra_topk], got ",
                 extra_indices->sizes());
     c.opt_tensor(extra_topk_length, "extra_topk_length", 1, {kInt32});
     if (extra_topk_length) {
@@ -372,12 +416,24 @@ DecodeResult sparse_decode_fwd(const Tensor& q, const Tensor& kv, const Tensor& 
   if (q.is_cuda()) {
     // V3.2 token records are read in 16-byte pieces; MODEL1's (block-interleaved) in 8-byte pieces.
     const int align = format == KvFormat::kV32 ? 16 : 8;
-    c.cuda_alignment(kv, "kv", align, 1);
-    if (extra_kv) c.cuda_alignment(*extra_kv, "extra_kv", align, 1);
+    c.cuda_alignment(kv, n.kv, align, 1);
+    if (extra_kv) c.cuda_alignment(*extra_kv, n.extra_kv, align, 1);
   }
   plan_and_run(op, p, plan, q.device(), reference::sparse_decode, cuda_sparse_decode);
   if (plan.fresh) return {out, lse.transpose(1, 2), plan.tile_scheduler_metadata, plan.num_splits};
   return {out, lse.transpose(1, 2), std::nullopt, std::nullopt};
+}
+
+}  // namespace
+
+DecodeResult sparse_decode_fwd(const Tensor& q, const Tensor& kv, const Tensor& indices, const OptTensor& topk_length,
+                               const OptTensor& attn_sink, const OptTensor& tile_scheduler_metadata,
+                               const OptTensor& num_splits, const OptTensor& extra_kv,
+                               const OptTensor& extra_indices, const OptTensor& extra_topk_length, int64_t d_v,
+                               double sm_scale) {
+  return sparse_decode({"sparse_decode_fwd", "kv", "extra_kv", "extra_indices", "d_v", "sm_scale"}, q, kv, indices,
+                       topk_length, attn_sink, tile_scheduler_metadata, num_splits, extra_kv, extra_indices,
+                       extra_topk_length, d_v, sm_scale);
 }
 
 std::vector<Tensor> fwd_kvcache_mla(const Tensor& q, const Tensor& kv_cache, int64_t head_size_v,
@@ -390,16 +446,18 @@ std::vector<Tensor> fwd_kvcache_mla(const Tensor& q, const Tensor& kv_cache, int
   if (indices.has_value()) {
     MLA_TORCH_CHECK(is_fp8, op, ": sparse decode (indices given) needs an FP8 cache and is_fp8=True");
     MLA_TORCH_CHECK(!is_causal, op, ": sparse decode (indices given) does not take is_causal=True");
-    auto r = sparse_decode_fwd(q, kv_cache, *indices, topk_length, attn_sink, tile_scheduler_metadata, num_splits,
-                               extra_k_cache, extra_indices_in_kvcache, extra_topk_length, head_size_v, softmax_scale);
+    const SparseNames names{op, "kv_cache", "extra_k_cache", "extra_indices_in_kvcache", "head_size_v", "softmax_scale"};
+    auto r = sparse_decode(names, q, kv_cache, *indices, topk_length, attn_sink, tile_scheduler_metadata, num_splits,
+                           extra_k_cache, extra_indices_in_kvcache, extra_topk_length, head_size_v, softmax_scale);
     return {std::get<0>(r), std::get<1>(r)};
   }
-  MLA_TORCH_CHECK(!is_fp8, op, ": dense FP8 decode is exposed via fwd_kvcache_mla_fp8");
+  MLA_TORCH_CHECK(!is_fp8, op,
+                  ": is_fp8 must be False without indices (dense FP8 decode is fwd_kvcache_mla_fp8), got True");
   for (auto [t, name] : {std::pair{&attn_sink, "attn_sink"}, {&extra_k_cache, "extra_k_cache"},
                          {&extra_indices_in_kvcache, "extra_indices_in_kvcache"}, {&topk_length, "topk_length"},
                          {&extra_topk_length, "extra_topk_length"}})
     MLA_TORCH_CHECK(!t->has_value(), op, ": ", name, " is only for sparse decode (indices given); got it without indices");
-  auto r = dense_decode(op,
+  auto r = dense_decode(op, "kv_cache",
                         {q, kv_cache, head_size_v, seqlens_k, block_table, softmax_scale, is_causal,
                          tile_scheduler_metadata, num_splits, std::nullopt, std::nullopt},
                         false);

@@ -396,6 +396,15 @@ def test_get_mla_metadata_errors(name, pattern):
             flash_mla.get_mla_metadata(sl, 64, 1, None, True, 64)
 
 
+def test_dense_fp8_metadata_op_names_itself_and_its_arguments():
+    sl = torch.tensor([10, 20], dtype=torch.int32)
+    op = torch.ops.mla_kernels.get_mla_decoding_metadata_dense_fp8
+    with raises_named(r"^get_mla_decoding_metadata_dense_fp8: num_heads_k\b"):
+        op(sl, 16, 0)
+    with raises_named(r"^get_mla_decoding_metadata_dense_fp8: num_heads_per_head_k\b"):
+        op(sl, -1, 1)
+
+
 # ----------------------------------------------------------------------------- sparse decode
 
 def sparse_base(fmt="model1", h_q=16, topk=32):
@@ -468,6 +477,42 @@ def test_sparse_decode_errors(name):
     a[key] = mutate(a)
     with raises_named(pattern):
         call_sparse(a)
+
+
+@pytest.mark.parametrize("name,pattern", _ids([
+    ("kv_cache_bytes", r"^fwd_kvcache_mla: kv_cache must have 584 bytes per token"),
+    ("extra_k_cache_alone", r"^fwd_kvcache_mla: extra_k_cache and extra_indices_in_kvcache must be given together"),
+    ("head_size_v", r"^fwd_kvcache_mla: head_size_v must be 512, got 576"),
+    ("softmax_scale", r"^fwd_kvcache_mla: softmax_scale must be finite, got nan"),
+    ("is_fp8_without_indices", r"^fwd_kvcache_mla: is_fp8 must be False without indices"),
+]))
+def test_legacy_sparse_route_names_the_op_and_its_arguments(name, pattern):
+    """fwd_kvcache_mla runs a call with indices as sparse decode: its messages still name
+    fwd_kvcache_mla and its own arguments (kv_cache, not sparse_decode_fwd's kv)."""
+    a = sparse_base()
+    b = a["q"].shape[0]
+    seqlens = torch.full((b,), a["indices"].shape[-1], dtype=torch.int32)
+    tsm, ns = torch.ops.mla_kernels.get_mla_decoding_metadata(seqlens, a["q"].shape[2], 1, a["q"].shape[2], True,
+                                                              a["indices"].shape[-1])
+    args = dict(q=a["q"], kv_cache=a["kv"], head_size_v=512, seqlens_k=seqlens,
+                block_table=torch.zeros((b, 1), dtype=torch.int32), softmax_scale=0.5, is_causal=False,
+                tile_scheduler_metadata=tsm, num_splits=ns, is_fp8=True, indices=a["indices"], attn_sink=None,
+                extra_k_cache=a["extra_kv"], extra_indices_in_kvcache=a["extra_indices"],
+                topk_length=a["topk_length"], extra_topk_length=a["extra_topk_length"])
+    torch.ops.mla_kernels.fwd_kvcache_mla(**args)  # the baseline is valid
+    if name == "kv_cache_bytes":
+        args["kv_cache"] = args["kv_cache"][..., :580]
+    elif name == "extra_k_cache_alone":
+        args["extra_indices_in_kvcache"] = args["extra_topk_length"] = None
+    elif name == "head_size_v":
+        args["head_size_v"] = 576
+    elif name == "softmax_scale":
+        args["softmax_scale"] = float("nan")
+    elif name == "is_fp8_without_indices":
+        args.update(indices=None, extra_k_cache=None, extra_indices_in_kvcache=None, topk_length=None,
+                    extra_topk_length=None)
+    with raises_named(pattern):
+        torch.ops.mla_kernels.fwd_kvcache_mla(**args)
 
 
 def test_sparse_unsupported_d_qk():
