@@ -2,12 +2,12 @@
 call mutated (dtype, rank, a dimension's size, strides, a missing tensor, extreme integers in index,
 length, table and plan tensors, NaN / inf in float tensors, out-of-range scalars). Each call must
 either raise one of the documented exception types with a message that names the op and one of its
-arguments, or return outputs of the documented shapes and dtypes on q's device. Where the mutation
-cannot have made the data meaningless (no non-finite value, no reinterpreted bytes, no foreign
-plan), the outputs hold no NaN, and on CUDA they match the CPU backend's for the same mutated call
-whenever that accepts it. The data-dependent checks are the CPU's alone (a CUDA op cannot read
-device data without a host sync), so on CUDA this is where garbage in lengths, tables, indices and
-plans meets the kernels.
+arguments, or return outputs of the documented shapes and dtypes on q's device. Where the data
+stayed the same (see SAME below) the outputs hold no NaN; on CUDA, unless a value became non-finite
+or was reinterpreted or the call brings its own plan, they match the CPU backend's for the same
+mutated call (NaN where it has NaN) whenever that accepts it. The data-dependent checks are the
+CPU's alone (a CUDA op cannot read device data without a host sync), so on CUDA this is where
+garbage in lengths, tables and indices meets the kernels.
 
 The trials run in a child process (`python test_fuzz.py DEVICE SEED TRIALS`), so that a crash (a
 signal, or a CUDA error that poisons the context) fails the test with the trial that caused it
@@ -33,9 +33,9 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, tor
 class Call:
     """One op call: `args` in schema order (a dict), `kind` what it returns ("decode", "prefill",
     "metadata", "format"), `plan` the arguments that carry a plan the caller made. Such a call's
-    outputs are not checked for NaN nor compared: any mutation may leave its plan describing another
-    call (shapes, lengths), which no GPU op can see without a host sync, and whose outputs may then
-    be left unwritten."""
+    outputs are neither checked for NaN nor compared: a mutation may leave its plan describing
+    another call (shapes, lengths), which no GPU op can see without a host sync, and whose outputs
+    may then be left unwritten."""
 
     def __init__(self, op, args, kind, plan=()):
         self.op, self.args, self.kind, self.plan = op, args, kind, set(plan)
@@ -122,10 +122,18 @@ def _resized(rng, t, dim):
     return torch.cat([t, extra], dim), "grow"
 
 
+# What a mutation leaves of the data, from least to most changed: SAME values (or none at all, or
+# values every op ignores or rejects); MOVED, still finite and deterministic, but other slots of the
+# caches may now be attended, which hold NaN where nothing valid referenced them (so NaN may come
+# out, the same on every backend); GARBAGE, non-finite or reinterpreted values, whose NaN and inf
+# handling a kernel may round differently.
+SAME, MOVED, GARBAGE = 0, 1, 2
+
+
 def mutate_tensor(rng, t):
-    """(new value, what was done, whether the values stay meaningful)."""
+    """(new value, what was done, what it leaves of the data)."""
     if t is None:
-        return torch.zeros(2, dtype=torch.int32), "given", True
+        return torch.zeros(2, dtype=torch.int32), "given", MOVED
     kinds = ["dtype", "rank", "size", "layout", "none"]
     if t.dtype in (torch.int32, torch.int64):
         kinds += ["extreme"] * 3
@@ -134,38 +142,41 @@ def mutate_tensor(rng, t):
     kind = rng.choice(kinds)
     if kind == "dtype":
         dt = rng.choice([d for d in DTYPES if d != t.dtype])
-        return t.to(dt), f"dtype {dt}", False
+        return t.to(dt), f"dtype {dt}", GARBAGE
     if kind == "rank":
         if t.dim() > 0 and rng.random() < 0.5:
-            return t.select(rng.randrange(t.dim()), 0), "rank-1", True
-        return t.unsqueeze(rng.randrange(t.dim() + 1)), "rank+1", True
+            return t.select(rng.randrange(t.dim()), 0), "rank-1", MOVED
+        return t.unsqueeze(rng.randrange(t.dim() + 1)), "rank+1", SAME
     if kind == "size" and t.dim() > 0:
         v, what = _resized(rng, t, rng.randrange(t.dim()))
-        return v, what, True
+        return v, what, SAME if what == "dim0" else MOVED
     if kind == "layout" and t.dim() > 0:
         if rng.random() < 0.5:
-            return torch.stack([t, t], -1).select(-1, 0), "strided last dim", True
-        return t.transpose(0, -1), "transposed", True
+            return torch.stack([t, t], -1).select(-1, 0), "strided last dim", SAME
+        return t.transpose(0, -1), "transposed", MOVED
     if kind == "extreme" and t.numel() > 0:
+        # A length past the sequence or a table entry past the cache: clamped or invalid on the GPU,
+        # where the cache slots it may reach are unattended ones.
         v = t.clone()
         v.view(-1)[rng.randrange(v.numel())] = rng.choice(INT_EXTREMES)
-        return v, "extreme", True
+        return v, "extreme", MOVED
     if kind == "nonfinite" and t.numel() > 0:
         v = t.clone()
         v.view(-1)[rng.randrange(v.numel())] = rng.choice([math.nan, math.inf, -math.inf])
-        return v, "nonfinite", False
-    return None, "none", True
+        return v, "nonfinite", GARBAGE
+    return None, "none", SAME
 
 
 def mutate_scalar(rng, kind, v):
     """kind: the schema's type without "?" (bool, int, float or str)."""
     if kind == "bool":
-        return not v, "flipped", True
+        return not v, "flipped", SAME
     if kind == "int":
-        return rng.choice([0, -1, 1, 511, 513, 2**31 - 1, -2**31]), "int", True
+        return rng.choice([0, -1, 1, 511, 513, 2**31 - 1, -2**31]), "int", SAME
     if kind == "float":
-        return rng.choice([0.0, -1.0, math.nan, math.inf, 1e30]), "float", False
-    return rng.choice(["", "v31", "MODEL1"]), "str", True
+        f = rng.choice([0.0, -1.0, math.nan, math.inf, 1e30])
+        return f, "float", MOVED if math.isfinite(f) and abs(f) < 1e3 else GARBAGE
+    return rng.choice(["", "v31", "MODEL1"]), "str", SAME
 
 
 # ----------------------------------------------------------------------------- checks
@@ -211,7 +222,7 @@ def _close(a, b):
     a, b = a.float().cpu(), b.float().cpu()
     same_inf = torch.isinf(a) == torch.isinf(b)
     fin = ~torch.isinf(a) & ~torch.isinf(b)
-    return bool(same_inf.all()) and torch.allclose(a[fin], b[fin], atol=3e-2, rtol=3e-2)
+    return bool(same_inf.all()) and torch.allclose(a[fin], b[fin], atol=3e-2, rtol=3e-2, equal_nan=True)
 
 
 def run_trials(device, seed, trials):
@@ -226,16 +237,16 @@ def run_trials(device, seed, trials):
         if problems and problems[-1].endswith("(the CUDA context is lost)"):
             break
         for call in valid_calls(rng, device):
-            args, what, meaningful = dict(call.args), [], True
+            args, what, left = dict(call.args), [], SAME
             types = {a.name: str(a.type).rstrip("?") for a in getattr(ops, call.op).default._schema.arguments}
             for name in rng.sample(sorted(args), rng.randint(1, 2)):
                 if types[name] == "Tensor":
-                    args[name], how, kept = mutate_tensor(rng, args[name])
+                    args[name], how, change = mutate_tensor(rng, args[name])
                     if isinstance(args[name], torch.Tensor):
                         args[name] = args[name].to(device)
                 else:
-                    args[name], how, kept = mutate_scalar(rng, types[name], args[name])
-                meaningful &= kept and not call.plan
+                    args[name], how, change = mutate_scalar(rng, types[name], args[name])
+                left = max(left, change)
                 what.append(f"{name}: {how}")
             label = f"trial {trial} {call.op} {what}"
             print(label, flush=True)  # the last line names the trial if the process dies
@@ -255,10 +266,10 @@ def run_trials(device, seed, trials):
                 continue
             counts["returned"] += 1
             bad = _outputs_ok(mutated, res, device)
-            if bad is None and meaningful and call.kind in ("decode", "prefill"):
-                if not _no_nan(res):
-                    bad = "NaN in the outputs of a meaningful call"
-                elif device == "cuda":
+            if bad is None and not call.plan and call.kind in ("decode", "prefill"):
+                if left == SAME and not _no_nan(res):
+                    bad = "NaN in the outputs of a call whose data stayed the same"
+                elif left < GARBAGE and device == "cuda":
                     cpu_args = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in args.items()}
                     try:
                         ref = getattr(ops, call.op)(**cpu_args)
