@@ -5,7 +5,7 @@ either raise one of the documented exception types with a message that names the
 arguments, or return outputs of the documented shapes and dtypes on q's device. Where the data
 stayed the same (see SAME below) the outputs hold no NaN; on CUDA, unless a value became non-finite
 or was reinterpreted or the call brings its own plan, they match the CPU backend's for the same
-mutated call (NaN where it has NaN) whenever that accepts it. The data-dependent checks are the
+mutated call, wherever that accepts it and has no NaN. The data-dependent checks are the
 CPU's alone (a CUDA op cannot read device data without a host sync), so on CUDA this is where
 garbage in lengths, tables and indices meets the kernels.
 
@@ -217,12 +217,16 @@ def _no_nan(res):
     return all(not torch.isnan(t.float()).any() for t in res if isinstance(t, torch.Tensor) and t.is_floating_point())
 
 
-def _close(a, b):
-    """Loose: it tells results from garbage, not one rounding from another."""
-    a, b = a.float().cpu(), b.float().cpu()
-    same_inf = torch.isinf(a) == torch.isinf(b)
-    fin = ~torch.isinf(a) & ~torch.isinf(b)
-    return bool(same_inf.all()) and torch.allclose(a[fin], b[fin], atol=3e-2, rtol=3e-2, equal_nan=True)
+def _close(got, ref):
+    """Loose: it tells results from garbage, not one rounding from another. Where the CPU backend has
+    NaN (an attended slot that held NaN), the result is the input's garbage and is not compared."""
+    got, ref = got.float().cpu(), ref.float().cpu()
+    known = ~torch.isnan(ref)
+    got, ref = got[known], ref[known]
+    inf = torch.isinf(ref)
+    if not torch.equal(torch.isinf(got), inf) or not torch.equal(got[inf], ref[inf]):
+        return False
+    return torch.allclose(got[~inf], ref[~inf], atol=3e-2, rtol=3e-2)
 
 
 def run_trials(device, seed, trials):
