@@ -11,7 +11,7 @@ garbage in lengths, tables and indices meets the kernels.
 
 The trials run in a child process (`python test_fuzz.py DEVICE SEED TRIALS`), so that a crash (a
 signal, or a CUDA error that poisons the context) fails the test with the trial that caused it
-instead of ending the run."""
+instead of ending the run, and a hang fails it after five minutes."""
 
 import json
 import math
@@ -292,8 +292,13 @@ def run_trials(device, seed, trials):
 # ----------------------------------------------------------------------------- tests
 
 def _run_child(device, seed, trials):
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), device, str(seed), str(trials)],
-                          capture_output=True, text=True, timeout=900)
+    try:
+        proc = subprocess.run([sys.executable, os.path.abspath(__file__), device, str(seed), str(trials)],
+                              capture_output=True, text=True, timeout=300)
+    except subprocess.TimeoutExpired as e:
+        out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        lines = out.strip().splitlines()
+        pytest.fail(f"the child hung at: {lines[-1] if lines else '?'}")
     lines = proc.stdout.strip().splitlines()
     assert proc.returncode == 0, (f"the child died (code {proc.returncode}) at: {lines[-1] if lines else '?'}\n"
                                   f"{proc.stderr[-2000:]}")
