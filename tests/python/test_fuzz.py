@@ -208,8 +208,9 @@ def _outputs_ok(call, res, device):
         return "an output on another device than q"
     if out.shape[:-1] != q.shape[:-1] or out.shape[-1] != 512:
         return f"out shape {tuple(out.shape)} for q {tuple(q.shape)}"
-    if lse.dtype != torch.float32:
-        return f"lse dtype {lse.dtype}"
+    want = torch.bfloat16 if call.op == "fwd_kvcache_mla_fp8" else q.dtype
+    if out.dtype != want or lse.dtype != torch.float32:
+        return f"out dtype {out.dtype} (q {q.dtype}), lse dtype {lse.dtype}"
     return None
 
 
