@@ -5,15 +5,16 @@ Timing as ANCHORS.md: each call captured 10 times in one CUDA graph, median of 2
 --flashmla both libraries' graphs are captured first and their replays alternate, so that the
 card's clocks and temperature weigh on both alike.
 FLOPs = 2 * h_q * s_q * sum(attended keys) * (d_qk + d_v); bytes = q + attended KV (each token once:
-2*576 B dense, 656 B V3.2, 584 B MODEL1) + out. Fractions are of the card's measured ceilings.
+2*576 B dense, 576 B dense FP8, 656 B V3.2, 584 B MODEL1) + out. Fractions are of the card's
+measured ceilings.
 
 Usage: python3 bench/bench_decode.py [--cases NAME,...] [--no-torch] [--impls default,portable]
                                      [--env VAR=a,b] [--flashmla DIR] [--reuse-plan] [--kernels]
                                      [--between copy|gemm] [--sustained SECONDS]
 
 NAME is a case of CASES, or any dense shape spelled the same way:
-dense_b<b>[_sq<s_q>]_h<h_q>_sk<s_k>[_causal][_varlen] (all lengths s_k unless _varlen; a name in
-CASES keeps its own definition, see case_by_name).
+dense_b<b>[_sq<s_q>]_h<h_q>_sk<s_k>[_causal][_varlen][_fp8] (all lengths s_k unless _varlen; _fp8: q
+and cache float8_e4m3fn; a name in CASES keeps its own definition, see case_by_name).
 
 --reuse-plan times what every layer of a step after the first runs: the call with a plan made once
 before the timing (FlashMLA's scheduler object, or ours, initialised by the warm-up call).
@@ -278,12 +279,39 @@ def sparse_heads(api, h_q):
     return h_q if api is flash_mla else -(-h_q // 64) * 64
 
 
-def dense_case(b, s_q, h_q, s_k, causal, fixed=False, api=flash_mla):
+def dense_case(b, s_q, h_q, s_k, causal, fixed=False, fp8=False, api=flash_mla):
+    """fp8: q and cache float8_e4m3fn with their descales (`fwd_kvcache_mla_fp8`, which FlashMLA does
+    not offer), planned by get_mla_metadata(..., is_fp8_kvcache=True) as sgl-kernel's callers do."""
     lens = [s_k] * b if fixed else varlen(b, s_k, s_q)
     paged = R.make_dense_paged(lens, 64, 1, 576, torch.bfloat16, poison="random", garbage_cols=0)
     q = R.rand((b, s_q, h_q, 576)).cuda()
     kc, bt, sl = paged.k_cache.cuda(), paged.block_table.cuda(), paged.cache_seqlens.cuda()
     bt = bt.clamp(0, kc.shape[0] - 1)
+    attended = sum(lens) * s_q  # each row of each query token (causal trims a few)
+    flops = 2 * h_q * attended * (576 + 512)
+
+    if fp8:
+        if api is not flash_mla:
+            raise AttributeError("dense FP8 decode (fwd_kvcache_mla_fp8) is not in FlashMLA")
+        # One scale for q and the cache, as SGLang passes its k_scale as both descales.
+        scale = torch.full((1,), 0.02, device="cuda")
+        q8 = (q.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+        kc8 = (kc.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+
+        def fresh_plan():
+            return api.get_mla_metadata(sl, s_q * h_q, 1, is_fp8_kvcache=True)
+        reused = fresh_plan() if REUSE_PLAN else None
+
+        def ours():
+            tsm, ns = reused if REUSE_PLAN else fresh_plan()
+            return api.flash_mla_with_kvcache(q8, kc8, bt, sl, 512, tsm, ns, causal=causal, descale_q=scale,
+                                              descale_k=scale)
+
+        def plain():  # dequantised to bf16 first, as a plain implementation would
+            return torch_dense((q8.float() * scale).bfloat16(), (kc8.float() * scale).bfloat16(), bt, sl, causal)
+
+        bytes_ = q8.numel() + sum(lens) * 576 + b * s_q * h_q * 512 * 2
+        return ours, plain, flops, bytes_
 
     plan = scheduled(api)
 
@@ -291,8 +319,6 @@ def dense_case(b, s_q, h_q, s_k, causal, fixed=False, api=flash_mla):
         sched = plan()
         return api.flash_mla_with_kvcache(q, kc, bt, sl, 512, sched, causal=causal)
 
-    attended = sum(lens) * s_q  # each row of each query token (causal trims a few)
-    flops = 2 * h_q * attended * (576 + 512)
     bytes_ = q.numel() * 2 + sum(lens) * 576 * 2 + b * s_q * h_q * 512 * 2
     return ours, (lambda: torch_dense(q, kc, bt, sl, causal)), flops, bytes_
 
@@ -404,6 +430,9 @@ CASES = {
     "dense_b1_h128_sk65536": lambda **kw: dense_case(1, 1, 128, 65536, False, fixed=True, **kw),
     "dense_b4_h128_sk8192": lambda **kw: dense_case(4, 1, 128, 8192, False, **kw),
     "dense_b8_h128_sk32768": lambda **kw: dense_case(8, 1, 128, 32768, False, **kw),
+    # FP8 caches (fwd_kvcache_mla_fp8; not in FlashMLA): half the bytes of the BF16 cases above
+    "dense_b128_h128_sk4096_varlen_fp8": lambda **kw: dense_case(128, 1, 128, 4096, False, fp8=True, **kw),
+    "dense_b128_h16_sk8192_fp8": lambda **kw: dense_case(128, 1, 16, 8192, False, fixed=True, fp8=True, **kw),
     "sparse_v32_b128_h128_topk2048": lambda **kw: sparse_case("v32", 128, 1, 128, 2048, **kw),
     "sparse_v32_b128_h16_topk2048": lambda **kw: sparse_case("v32", 128, 1, 16, 2048, **kw),
     "sparse_v32_b64_h32_topk2048": lambda **kw: sparse_case("v32", 64, 1, 32, 2048, **kw),
@@ -415,13 +444,14 @@ CASES = {
 }
 
 
-DENSE_NAME = re.compile(r"dense_b(\d+)(?:_sq(\d+))?_h(\d+)_sk(\d+)(_causal)?(_varlen)?")
+DENSE_NAME = re.compile(r"dense_b(\d+)(?:_sq(\d+))?_h(\d+)_sk(\d+)(_causal)?(_varlen)?(_fp8)?")
 SPARSE_NAME = re.compile(r"sparse_(v32|model1)_b(\d+)(?:_sq(\d+))?_h(\d+)_topk(\d+)")
 
 
 def case_by_name(name):
     """A named case, or any dense shape spelled like the named ones: dense_b<b>[_sq<s_q>]_h<h_q>_sk<s_k>
-    [_causal][_varlen] (lengths all s_k unless _varlen), or any sparse one: sparse_<v32|model1>_b<b>
+    [_causal][_varlen][_fp8] (lengths all s_k unless _varlen; _fp8: q and cache float8_e4m3fn), or
+    any sparse one: sparse_<v32|model1>_b<b>
     [_sq<s_q>]_h<h_q>_topk<topk> (one cache of page 64, no lengths), for sweeps beyond the fixed list. A name in
     CASES keeps its definition: dense_b4_h128_sk8192, dense_b8_h128_sk1024 and dense_b8_h128_sk32768
     are varlen there, as in every earlier RESULTS table, although their names lack _varlen."""
@@ -434,9 +464,9 @@ def case_by_name(name):
     m = DENSE_NAME.fullmatch(name)
     if not m:
         raise SystemExit(f"unknown case {name!r}: one of {', '.join(CASES)}, dense_b<b>[_sq<s_q>]_h<h>_sk<s_k>"
-                         "[_causal][_varlen] or sparse_<v32|model1>_b<b>[_sq<s_q>]_h<h>_topk<topk>")
+                         "[_causal][_varlen][_fp8] or sparse_<v32|model1>_b<b>[_sq<s_q>]_h<h>_topk<topk>")
     b, s_q, h_q, s_k = int(m[1]), int(m[2] or 1), int(m[3]), int(m[4])
-    return lambda **kw: dense_case(b, s_q, h_q, s_k, bool(m[5]), fixed=not m[6], **kw)
+    return lambda **kw: dense_case(b, s_q, h_q, s_k, bool(m[5]), fixed=not m[6], fp8=bool(m[7]), **kw)
 
 
 def load_flashmla(path):

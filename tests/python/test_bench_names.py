@@ -10,15 +10,17 @@ import bench_decode as B  # noqa: E402
 
 
 @pytest.mark.parametrize("name,args", [
-    ("dense_b8_h16_sk1024", (8, 1, 16, 1024, False, True)),
-    ("dense_b128_sq2_h128_sk8192_causal_varlen", (128, 2, 128, 8192, True, False)),
-    ("dense_b1_h32_sk65536_varlen", (1, 1, 32, 65536, False, False)),
-    ("dense_b3_sq4_h64_sk100_causal", (3, 4, 64, 100, True, True)),
+    ("dense_b8_h16_sk1024", (8, 1, 16, 1024, False, True, False)),
+    ("dense_b128_sq2_h128_sk8192_causal_varlen", (128, 2, 128, 8192, True, False, False)),
+    ("dense_b1_h32_sk65536_varlen", (1, 1, 32, 65536, False, False, False)),
+    ("dense_b3_sq4_h64_sk100_causal", (3, 4, 64, 100, True, True, False)),
+    ("dense_b64_h128_sk2048_varlen_fp8", (64, 1, 128, 2048, False, False, True)),
+    ("dense_b2_sq2_h16_sk300_causal_fp8", (2, 2, 16, 300, True, True, True)),
 ])
 def test_dense_names_spell_the_shape(name, args, monkeypatch):
     seen = []
-    monkeypatch.setattr(B, "dense_case", lambda b, s_q, h_q, s_k, causal, fixed=False, **kw:
-                        seen.append((b, s_q, h_q, s_k, causal, fixed)))
+    monkeypatch.setattr(B, "dense_case", lambda b, s_q, h_q, s_k, causal, fixed=False, fp8=False, **kw:
+                        seen.append((b, s_q, h_q, s_k, causal, fixed, fp8)))
     B.case_by_name(name)()
     assert seen == [args]
 
@@ -40,7 +42,7 @@ def test_fixed_cases_keep_their_definitions():
 
 
 @pytest.mark.parametrize("name", ["dense_b8_h16", "sparse_v32_b1_h16", "sparse_fp4_b1_h16_topk64",
-                                  "dense_b8_h16_sk1024_extra"])
+                                  "dense_b8_h16_sk1024_extra", "dense_b8_h16_sk1024_fp8_varlen"])
 def test_unknown_names_are_refused(name):
     with pytest.raises(SystemExit, match="unknown case"):
         B.case_by_name(name)
