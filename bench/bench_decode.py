@@ -281,7 +281,8 @@ def sparse_heads(api, h_q):
 
 def dense_case(b, s_q, h_q, s_k, causal, fixed=False, fp8=False, api=flash_mla):
     """fp8: q and cache float8_e4m3fn with their descales (`fwd_kvcache_mla_fp8`, which FlashMLA does
-    not offer), planned by get_mla_metadata(..., is_fp8_kvcache=True) as sgl-kernel's callers do."""
+    not offer), through the same scheduler object as the BF16 call (planned per call, or once with
+    --reuse-plan)."""
     lens = [s_k] * b if fixed else varlen(b, s_k, s_q)
     paged = R.make_dense_paged(lens, 64, 1, 576, torch.bfloat16, poison="random", garbage_cols=0)
     q = R.rand((b, s_q, h_q, 576)).cuda()
@@ -290,6 +291,7 @@ def dense_case(b, s_q, h_q, s_k, causal, fixed=False, fp8=False, api=flash_mla):
     attended = sum(lens) * s_q  # each row of each query token (causal trims a few)
     flops = 2 * h_q * attended * (576 + 512)
 
+    plan = scheduled(api)
     if fp8:
         if api is not flash_mla:
             raise AttributeError("dense FP8 decode (fwd_kvcache_mla_fp8) is not in FlashMLA")
@@ -298,13 +300,8 @@ def dense_case(b, s_q, h_q, s_k, causal, fixed=False, fp8=False, api=flash_mla):
         q8 = (q.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
         kc8 = (kc.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
 
-        def fresh_plan():
-            return api.get_mla_metadata(sl, s_q * h_q, 1, is_fp8_kvcache=True)
-        reused = fresh_plan() if REUSE_PLAN else None
-
         def ours():
-            tsm, ns = reused if REUSE_PLAN else fresh_plan()
-            return api.flash_mla_with_kvcache(q8, kc8, bt, sl, 512, tsm, ns, causal=causal, descale_q=scale,
+            return api.flash_mla_with_kvcache(q8, kc8, bt, sl, 512, plan(), causal=causal, descale_q=scale,
                                               descale_k=scale)
 
         def plain():  # dequantised to bf16 first, as a plain implementation would
@@ -312,8 +309,6 @@ def dense_case(b, s_q, h_q, s_k, causal, fixed=False, fp8=False, api=flash_mla):
 
         bytes_ = q8.numel() + sum(lens) * 576 + b * s_q * h_q * 512 * 2
         return ours, plain, flops, bytes_
-
-    plan = scheduled(api)
 
     def ours():
         sched = plan()
